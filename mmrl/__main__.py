@@ -1,0 +1,7 @@
+"""`python -m mmrl` (and `accelerate launch -m mmrl train ...`)."""
+
+import sys
+
+from mmrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,281 @@
+"""Advantage estimators: pure functions from rewards (and values) to per-sample advantages.
+
+Every estimator is registered in `ADVANTAGES` and returns the same `Advantages` tuple, so a trainer
+can switch estimators from its config without changing the loss code:
+
+    adv = ADVANTAGES.get(cfg.advantage)(rewards=rewards, group_ids=prompt_ids)
+    loss = (per_sample_loss * adv.values)[adv.loss_mask].mean()
+
+Group-based estimators take 1-D `rewards` and `group_ids` of the same length. Group ids are any
+int64 labels (not necessarily contiguous or sorted); all statistics are segment reductions over
+`torch.unique(..., return_inverse=True)`, so a million rewards take tens of milliseconds on CPU.
+Statistics are accumulated in float64 and the result is cast back to the rewards' dtype (float32
+for integer or bool rewards). Standard deviations are population ones (unbiased=False): they are
+defined for any group size and give each group's advantages std 1 up to eps (verl and TRL use the
+unbiased std, which differs by the factor sqrt((G-1)/G)). Rewards containing NaN or inf raise
+ValueError: a non-finite reward would silently poison every advantage of its group.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from mmrl.registry import ADVANTAGES
+
+# A (tree, depth) whose fused rewards spread less than this carries no ranking signal (BranchGRPO).
+DEGENERATE_STD = 1e-6
+
+
+class Advantages(NamedTuple):
+    """What every estimator returns.
+
+    values: per-sample advantages (for `awr`: per-sample regression weights), shaped like the rewards.
+    loss_mask: bool, False for samples that must stay out of the policy loss (the `mc_grpo` pivots).
+    returns: value-function targets, only from the value-based estimators (`gae`, `td1`).
+    """
+
+    values: Tensor
+    loss_mask: Tensor
+    returns: Tensor | None = None
+
+
+def _as_float(x: Tensor) -> Tensor:
+    return x if x.is_floating_point() else x.float()
+
+
+def _check_finite(name: str, x: Tensor) -> None:
+    """Raise ValueError naming `name` when x holds NaN or inf."""
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        kind = "NaN" if torch.isnan(x).any() else "inf"
+        first = int(bad.flatten().nonzero()[0])
+        raise ValueError(f"{name} contain {kind} (first non-finite value at flat index {first})")
+
+
+def _segments(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Check 1-D matching inputs; return (distinct group ids, segment index per sample, segment sizes)."""
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group ids must be 1-D of the same length, got shapes "
+            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    if group_ids.is_floating_point():
+        raise ValueError(f"group ids must be integers, got dtype {group_ids.dtype}")
+    _check_finite("rewards", rewards)
+    labels, segment = torch.unique(group_ids, return_inverse=True)
+    sizes = torch.bincount(segment, minlength=len(labels))
+    return labels, segment, sizes
+
+
+def _segment_sum(x: Tensor, segment: Tensor, n_segments: int) -> Tensor:
+    return x.new_zeros(n_segments).index_add_(0, segment, x)
+
+
+def _segment_mean_std(x: Tensor, segment: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-segment mean and population std of float64 x (two passes, so no cancellation)."""
+    mean = _segment_sum(x, segment, len(sizes)) / sizes
+    var = _segment_sum((x - mean[segment]) ** 2, segment, len(sizes)) / sizes
+    return mean, var.sqrt()
+
+
+def _keep_all(x: Tensor) -> Tensor:
+    return torch.ones_like(x, dtype=torch.bool)
+
+
+@ADVANTAGES.register("grpo")
+def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
+    """GRPO: A_i = (r_i - mean_g) / (std_g + eps) within each group g (population std).
+
+    A group of one, or a group whose rewards are all equal, gets 0 (exactly, for float32 rewards:
+    the float64 mean of equal float32 values is exact).
+    """
+    rewards = _as_float(rewards)
+    _, segment, sizes = _segments(rewards, group_ids)
+    r = rewards.double()
+    mean, std = _segment_mean_std(r, segment, sizes)
+    values = (r - mean[segment]) / (std[segment] + eps)
+    return Advantages(values.to(rewards.dtype), _keep_all(rewards))
+
+
+@ADVANTAGES.register("grpo_global_std")
+def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
+    """Flow-GRPO: A_i = (r_i - mean_g) / (std_batch + eps), with the population std of all rewards
+    of the batch, so groups with a small spread are not blown up to unit scale."""
+    rewards = _as_float(rewards)
+    _, segment, sizes = _segments(rewards, group_ids)
+    r = rewards.double()
+    mean = _segment_sum(r, segment, len(sizes)) / sizes
+    values = (r - mean[segment]) / (r.std(unbiased=False) + eps)
+    return Advantages(values.to(rewards.dtype), _keep_all(rewards))
+
+
+@ADVANTAGES.register("rloo")
+def rloo(rewards: Tensor, group_ids: Tensor) -> Advantages:
+    """RLOO: A_i = r_i - mean_{j != i} r_j = (n r_i - sum_g) / (n - 1) within each group of size n.
+
+    Advantages sum to 0 within each group; a group of one gets 0. No std normalisation.
+    """
+    rewards = _as_float(rewards)
+    _, segment, sizes = _segments(rewards, group_ids)
+    r = rewards.double()
+    total = _segment_sum(r, segment, len(sizes))
+    n = sizes[segment].double()
+    values = (n * r - total[segment]) / (n - 1).clamp(min=1)
+    return Advantages(values.to(rewards.dtype), _keep_all(rewards))
+
+
+def _sortable_int64(x: Tensor) -> Tensor:
+    """int64 keys ordered like the float values of x (IEEE bits; negatives get magnitude bits flipped).
+
+    Integer sorts are radix sorts on CPU, several times faster than float sorts.
+    """
+    bits = x.double().view(torch.int64)
+    return bits ^ ((bits >> 63) & torch.iinfo(torch.int64).max)
+
+
+@ADVANTAGES.register("mc_grpo")
+def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
+    """MC-GRPO: median baseline over G+1 rollouts, A_i = (r_i - median_g) / (std_g + eps).
+
+    std_g is the population std of all G+1 rewards of the group (the GRPO scale, so only the
+    baseline changes). G+1 is odd, so the median is the reward of one rollout, the pivot: its
+    advantage is 0 and `loss_mask` drops it, which keeps G gradient-contributing rollouts per group.
+    When several rollouts tie at the median the lowest batch index is the pivot. Raises ValueError
+    unless every group has an odd size.
+    """
+    rewards = _as_float(rewards)
+    labels, segment, sizes = _segments(rewards, group_ids)
+    even = sizes % 2 == 0
+    if even.any():
+        first = int(even.nonzero()[0])
+        raise ValueError(
+            f"mc_grpo needs an odd number (G+1) of rollouts per group; group id {int(labels[first])} "
+            f"has {int(sizes[first])} ({int(even.sum())} of {len(sizes)} groups are even)"
+        )
+    # Sort by (group, reward): a stable sort by group after a sort by reward.
+    by_reward = torch.argsort(_sortable_int64(rewards), stable=True)
+    order = by_reward[torch.argsort(segment[by_reward], stable=True)]
+    sorted_segment = segment[order]
+    starts = torch.cumsum(sizes, 0) - sizes
+    rank_in_group = torch.arange(len(order), device=order.device) - starts[sorted_segment]
+    at_median = rank_in_group == (sizes[sorted_segment] - 1) // 2
+    median = rewards.new_zeros(len(sizes), dtype=torch.float64)
+    median[sorted_segment[at_median]] = rewards[order[at_median]].double()
+
+    r = rewards.double()
+    _, std = _segment_mean_std(r, segment, sizes)
+    values = (r - median[segment]) / (std[segment] + eps)
+
+    index = torch.arange(len(r), device=r.device)
+    ties_median = r == median[segment]
+    pivot = torch.full_like(sizes, len(r)).scatter_reduce_(
+        0, segment[ties_median], index[ties_median], reduce="amin"
+    )
+    loss_mask = _keep_all(rewards)
+    loss_mask[pivot] = False
+    return Advantages(values.to(rewards.dtype), loss_mask)
+
+
+@ADVANTAGES.register("tree_depthwise")
+def tree_depthwise(
+    node_rewards: Tensor, tree_ids: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
+) -> Advantages:
+    """BranchGRPO depth-wise advantage: A(n) = (R(n) - mean_d) / (std_d + eps) over the nodes at the
+    same depth d of the same tree, clipped to [-clip, clip] (None: no clip).
+
+    A (tree, depth) with one node or with std < DEGENERATE_STD gets 0. The edge parent -> child is
+    trained with A(child).
+    """
+    node_rewards = _as_float(node_rewards)
+    if not tree_ids.shape == depths.shape == node_rewards.shape or depths.is_floating_point():
+        raise ValueError(
+            f"tree ids and integer depths must be shaped like the node rewards {tuple(node_rewards.shape)}, "
+            f"got {tuple(tree_ids.shape)} and {depths.dtype} {tuple(depths.shape)}"
+        )
+    n_depths = int(depths.max()) + 1 if depths.numel() else 1
+    if depths.numel() and int(depths.min()) < 0:
+        raise ValueError(f"depths must be non-negative, got {int(depths.min())}")
+    _, tree = torch.unique(tree_ids, return_inverse=True)
+    _, segment, sizes = _segments(node_rewards, tree * n_depths + depths)
+    r = node_rewards.double()
+    mean, std = _segment_mean_std(r, segment, sizes)
+    values = (r - mean[segment]) / (std[segment] + eps)
+    values = values.masked_fill(std[segment] < DEGENERATE_STD, 0.0)
+    if clip is not None:
+        values = values.clamp(-clip, clip)
+    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+
+
+@ADVANTAGES.register("awr")
+def awr(
+    advantages: Tensor,
+    beta: float = 1.0,
+    max_weight: float = 20.0,
+    normalize: bool = False,
+    eps: float = 1e-6,
+) -> Advantages:
+    """Advantage-weighted regression weights w = min(exp(A / beta), max_weight), returned as `values`.
+
+    normalize=True first standardises A over the batch, (A - mean) / (std + eps), so beta is a
+    temperature in units of advantage spread. HABC's exp(beta_habc * A) is beta = 1 / beta_habc here.
+    """
+    advantages = _as_float(advantages)
+    _check_finite("advantages", advantages)
+    a = advantages.double()
+    if normalize:
+        a = (a - a.mean()) / (a.std(unbiased=False) + eps)
+    weights = torch.exp(a / beta).clamp(max=max_weight)  # exp overflow gives inf, clamped too
+    return Advantages(weights.to(advantages.dtype), _keep_all(advantages))
+
+
+def _td_residuals(
+    rewards: Tensor, values: Tensor, dones: Tensor, gamma: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check shapes; return (delta_t, one-step target r_t + gamma (1 - d_t) V_{t+1}, 1 - d_t)."""
+    if values.shape != (*rewards.shape[:-1], rewards.shape[-1] + 1) or dones.shape != rewards.shape:
+        raise ValueError(
+            f"need rewards [..., T], values [..., T+1] (last one the bootstrap V(s_T)) and dones [..., T]; "
+            f"got {tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(dones.shape)}"
+        )
+    _check_finite("rewards", rewards)
+    _check_finite("values", values)
+    not_done = 1.0 - dones.to(rewards.dtype)
+    target = rewards + gamma * not_done * values[..., 1:]
+    return target - values[..., :-1], target, not_done
+
+
+@ADVANTAGES.register("gae")
+def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam: float = 0.95) -> Advantages:
+    """Generalised advantage estimation over the last (time) axis, vectorised over leading axes.
+
+    delta_t = r_t + gamma (1 - d_t) V_{t+1} - V_t;  A_t = delta_t + gamma lam (1 - d_t) A_{t+1};
+    returns_t = A_t + V_t. rewards and dones are [..., T]; values are [..., T+1], the last column
+    being the bootstrap value of the state after the segment. d_t = 1 means the episode terminated
+    after step t: nothing flows back across it (time-limit truncation needs its own bootstrap).
+    lam = 0 gives the one-step TD residuals (`td1`), lam = 1 the discounted returns minus V_t.
+    """
+    rewards = _as_float(rewards)
+    values = values.to(rewards.dtype)
+    deltas, _, not_done = _td_residuals(rewards, values, dones, gamma)
+    decay = gamma * lam * not_done
+    deltas_by_time, decay_by_time = deltas.movedim(-1, 0).contiguous(), decay.movedim(-1, 0).contiguous()
+    advantages = torch.empty_like(deltas_by_time)
+    running = torch.zeros_like(deltas_by_time[0])
+    for t in reversed(range(len(deltas_by_time))):
+        running = deltas_by_time[t] + decay_by_time[t] * running
+        advantages[t] = running
+    advantages = advantages.movedim(0, -1).contiguous()
+    return Advantages(advantages, _keep_all(rewards), returns=advantages + values[..., :-1])
+
+
+@ADVANTAGES.register("td1")
+def td1(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99) -> Advantages:
+    """One-step TD advantage A_t = r_t + gamma (1 - d_t) V_{t+1} - V_t (GAE with lam = 0), same
+    shapes as `gae`; returns are the one-step targets."""
+    rewards = _as_float(rewards)
+    values = values.to(rewards.dtype)
+    deltas, target, _ = _td_residuals(rewards, values, dones, gamma)
+    return Advantages(deltas, _keep_all(rewards), returns=target)

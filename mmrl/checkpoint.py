@@ -1,0 +1,233 @@
+"""Atomic, verifiable checkpoints: safetensors for tensors, JSON for everything else.
+
+A checkpoint is a folder ``checkpoints/step_XXXXXXXX/`` holding tensor groups as
+``<group>.safetensors`` (model, optimizer state, RNG states, ...), ``state.json`` with the
+non-tensor state, and ``manifest.json`` listing every file's SHA-256. The folder is written under
+a temporary name and renamed into place, and the manifest is written last, so a killed writer
+leaves either a complete checkpoint or nothing that looks like one. On load, a checkpoint whose
+files do not match its manifest is reported and the previous good one is used.
+
+Nested state (an optimizer's ``state_dict()``, RNG states, a sampler's state) is split by
+`pack` into a JSON tree, with tensors replaced by references, and a flat tensor dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_PREFIX = "step_"
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested state <-> (JSON tree, tensors)
+
+
+def pack(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """Replace tensors in a nested structure by references into `tensors`; keep int dict keys."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "value"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = path or "value"
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj))
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and "__tensor__" not in obj:
+            return {k: pack(v, tensors, f"{path}.{k}" if path else k) for k, v in obj.items()}
+        items = [[k, pack(v, tensors, f"{path}.{k}" if path else str(k))] for k, v in obj.items()]
+        return {"__items__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [pack(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [pack(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, np.integer | np.floating):
+        return obj.item()
+    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at {path!r}")
+
+
+def unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `pack`."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"], copy=True)
+        if "__items__" in obj:
+            return {_key(k): unpack(v, tensors) for k, v in obj["__items__"]}
+        if "__tuple__" in obj:
+            return tuple(unpack(v, tensors) for v in obj["__tuple__"])
+        return {k: unpack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unpack(v, tensors) for v in obj]
+    return obj
+
+
+def _key(k: Any) -> Any:
+    return tuple(k) if isinstance(k, list) else k
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG state
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global RNG this process uses: Python, NumPy, torch CPU and CUDA."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing and reading checkpoint folders
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    state: dict[str, Any]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    checkpoint_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    model: torch.nn.Module | None = None,
+    keep: int = 3,
+) -> Path:
+    """Write ``step_XXXXXXXX`` atomically: `model` weights plus nested `state`; prune old ones.
+
+    Each top-level entry of `state` becomes its own safetensors file (its tensors) and a section
+    of ``state.json`` (the rest).
+    """
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir / f"{STEP_PREFIX}{step:08d}"
+    tmp = checkpoint_dir / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files = []
+    if model is not None:
+        model_state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+        save_file(model_state, tmp / "model.safetensors")
+        files.append("model.safetensors")
+    json_state: dict[str, Any] = {"step": step}
+    for group, value in state.items():
+        tensors: dict[str, torch.Tensor] = {}
+        json_state[group] = pack(value, tensors)
+        if tensors:
+            save_file(tensors, tmp / f"{group}.safetensors")
+            files.append(f"{group}.safetensors")
+    (tmp / "state.json").write_text(json.dumps(json_state))
+    files.append("state.json")
+    for name in files:
+        _fsync(tmp / name)
+    manifest = {"step": step, "files": {name: _sha256(tmp / name) for name in files}}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _fsync(tmp / "manifest.json")
+    if final.exists():  # a re-save of the same step (e.g. after resume) replaces it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(checkpoint_dir)
+    for old in list_checkpoints(checkpoint_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Checkpoint folders, oldest first (temporary folders of killed writers are ignored)."""
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file matches the manifest, else what is wrong."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        return "manifest.json is missing (the write did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "manifest.json is unreadable"
+    for name, digest in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != digest:
+            return f"{name} does not match its checksum (corrupt or partly written)"
+    return None
+
+
+def load_latest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
+    """The newest checkpoint that verifies; warn about each newer one that does not."""
+    for path in reversed(list_checkpoints(checkpoint_dir)):
+        problem = verify_checkpoint(path)
+        if problem:
+            warnings.warn(f"skipping checkpoint {path}: {problem}; trying the previous one", stacklevel=2)
+            continue
+        return load_checkpoint(path)
+    return None
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    json_state = json.loads((path / "state.json").read_text())
+    step = json_state.pop("step")
+    state = {}
+    for group, value in json_state.items():
+        file = path / f"{group}.safetensors"
+        tensors = load_file(file) if file.is_file() else {}
+        state[group] = unpack(value, tensors)
+    return Checkpoint(step=step, path=path, state=state)
+
+
+def load_model_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
+    """Copy the checkpoint's weights into `model` (strict: every key must match)."""
+    weights = load_file(checkpoint.path / "model.safetensors")
+    model.load_state_dict(weights, strict=True)

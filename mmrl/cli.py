@@ -1,0 +1,158 @@
+"""`mmrl` command line: train, pretrain, eval, bench, report, list.
+
+User mistakes (bad config, missing file, unknown name) print one ``error: ...`` line and exit 2;
+a traceback means a bug in mmrl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib.metadata import entry_points
+
+from mmrl.config import ConfigError, list_recipes, load_config
+from mmrl.registry import ALL_REGISTRIES, BENCHES, TRAINERS, UnknownNameError
+
+BUILTIN_MODULES = (
+    "mmrl.advantages",
+    "mmrl.samplers",
+    "mmrl.losses",
+    "mmrl.rewards",
+    "mmrl.precision",
+    "mmrl.bench_core",
+    "mmrl.tiny_grpo",
+)
+
+
+def load_plugins() -> None:
+    """Fill the registries: mmrl's own modules, then trainer packages that declare the
+    ``mmrl.plugins`` entry point (diffusion_rl, vlm_rl, vla_rl), so mmrl imports none of them."""
+    import importlib
+
+    for name in BUILTIN_MODULES:
+        importlib.import_module(name)
+    for entry in entry_points(group="mmrl.plugins"):
+        entry.load()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="train a recipe",
+        description=(
+            "Train from a recipe (e.g. core/tiny_grpo) or a YAML path, with dotted overrides such as "
+            "train.lr=1e-4. Multi-process: accelerate launch -m mmrl train CONFIG."
+        ),
+    )
+    train.add_argument("config", help="recipe name (see `mmrl list`) or path to a YAML file")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for sections")
+    train.add_argument("--resume", action="store_true", help="same as resume=true")
+
+    pretrain = sub.add_parser(
+        "pretrain",
+        help="build a tiny base model that RL recipes start from",
+        description="Run the pretraining recipe configs/pretrain/NAME.yaml.",
+    )
+    pretrain.add_argument("name", help="pretraining recipe, e.g. tiny_lm")
+    pretrain.add_argument("overrides", nargs="*", help="key=value overrides")
+    pretrain.add_argument("--resume", action="store_true", help="same as resume=true")
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate a run's newest checkpoint on held-out data",
+        description="Load the newest good checkpoint in the recipe's output_dir and "
+        "print its held-out metrics as JSON.",
+    )
+    evaluate.add_argument("config", help="recipe name or YAML path of the run")
+    evaluate.add_argument("overrides", nargs="*", help="key=value overrides (e.g. output_dir=...)")
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (ours vs baseline, side by side)",
+        description="Run a named benchmark; `mmrl list` shows them.",
+    )
+    bench.add_argument("name", help="benchmark name, e.g. core")
+
+    report = sub.add_parser(
+        "report",
+        help="turn a run directory into an HTML page",
+        description="Write RUN_DIR/report.html with metric curves and sample grids.",
+    )
+    report.add_argument("run_dir")
+
+    sub.add_parser(
+        "list",
+        help="list recipes and every registry with its entries",
+        description="List recipes and every registry with its entries.",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        load_plugins()
+        return COMMANDS[args.command](args)
+    except (ConfigError, UnknownNameError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
+    config = load_config(args.config, overrides)
+    result = TRAINERS.get(config.trainer)(config).train()
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    args.config = f"pretrain/{args.name}"
+    return cmd_train(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    config = load_config(args.config, list(args.overrides))
+    print(json.dumps(TRAINERS.get(config.trainer)(config).evaluate_checkpoint()))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    BENCHES.get(args.name)()
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from mmrl.report import write_report
+
+    print(write_report(args.run_dir))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    del args
+    print("recipes (mmrl train NAME):")
+    for recipe in list_recipes():
+        print(f"  {recipe}")
+    for kind, registry in sorted(ALL_REGISTRIES.items()):
+        print(f"{kind} ({registry.doc}):")
+        for name in registry.names():
+            print(f"  {name}")
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "pretrain": cmd_pretrain,
+    "eval": cmd_eval,
+    "bench": cmd_bench,
+    "report": cmd_report,
+    "list": cmd_list,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Typed configs: one dataclass per trainer, loaded from YAML, overridden with dotted keys.
+
+A config error must stop the run before any work, in one line that names the key, the bad
+value, what is allowed and the closest valid key. Field metadata carries the allowed range:
+``min`` / ``max`` (inclusive), ``choices``, or ``registry`` (the name of an mmrl registry whose
+entries are the allowed values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from mmrl.registry import ALL_REGISTRIES, TRAINERS, UnknownNameError
+
+C = TypeVar("C", bound="BaseConfig")
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message says how to fix it."""
+
+
+def option(default: Any, help: str = "", **limits: Any) -> Any:
+    """A dataclass field with a help text and limits (min, max, choices, registry)."""
+    if isinstance(default, list | dict):
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **limits}
+        )
+    return dataclasses.field(default=default, metadata={"help": help, **limits})
+
+
+@dataclasses.dataclass
+class BaseConfig:
+    """Fields every trainer shares: where the run lives, how long it is, how it checkpoints."""
+
+    trainer: str = option("", "trainer name (see `mmrl list`)", registry="trainer")
+    output_dir: str = option("runs/default", "run directory: config, metrics, checkpoints, samples")
+    seed: int = option(0, "run seed: every random draw derives from it", min=0)
+    resume: bool = option(False, "continue from the newest good checkpoint in output_dir")
+    steps: int = option(100, "training steps", min=1)
+    checkpoint_every: int = option(10, "steps between checkpoints", min=1)
+    keep_checkpoints: int = option(3, "newest checkpoints kept on disk", min=1)
+    tensorboard: bool = option(False, "also write TensorBoard event files")
+    progress: bool = option(True, "show progress bars")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A YAML path, or a recipe name such as ``core/tiny_grpo`` looked up under ``configs/``."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if path.is_file():
+            return path
+        raise ConfigError(f"config file {str(path)!r} does not exist; recipes: {', '.join(list_recipes())}")
+    recipe = CONFIG_ROOT / f"{name_or_path}.yaml"
+    if recipe.is_file():
+        return recipe
+    recipes = list_recipes()
+    hint = difflib.get_close_matches(name_or_path, recipes, n=1)
+    did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+    raise ConfigError(
+        f"no config file or recipe named {name_or_path!r}: give a .yaml path or one of "
+        f"{', '.join(recipes)}{did_you_mean}"
+    )
+
+
+def list_recipes() -> list[str]:
+    """Recipe names (``configs/<group>/<name>.yaml`` -> ``group/name``), excluding launch configs."""
+    if not CONFIG_ROOT.is_dir():
+        return []
+    return sorted(
+        str(p.relative_to(CONFIG_ROOT).with_suffix(""))
+        for p in CONFIG_ROOT.rglob("*.yaml")
+        if "accelerate" not in p.parts
+    )
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars) to a nested dict."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> BaseConfig:
+    """Read a recipe, apply overrides and build the trainer's config dataclass, validated."""
+    data = apply_overrides(read_yaml(resolve_config_path(name_or_path)), list(overrides or []))
+    trainer = data.get("trainer")
+    if not trainer:
+        raise ConfigError(
+            f"config error: {name_or_path!r} has no 'trainer' key; "
+            f"choose one of {', '.join(TRAINERS.names())}"
+        )
+    try:
+        trainer_cls = TRAINERS.get(str(trainer))
+    except UnknownNameError as err:
+        raise ConfigError(f"config error: trainer = {trainer!r}: {err}") from None
+    return build(trainer_cls.config_class, data)
+
+
+def build(cls: type[C], data: dict[str, Any], prefix: str = "", root: type | None = None) -> C:
+    """Build dataclass `cls` from a dict, checking keys, types and limits."""
+    root = root or cls
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(cls, root, prefix, str(key), data[key]))
+    kwargs = {}
+    for name, value in data.items():
+        dotted = f"{prefix}{name}"
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config error: {dotted} = {value!r} must be a section (a mapping of keys)")
+            kwargs[name] = build(hint, value, prefix=f"{dotted}.", root=root)
+        else:
+            kwargs[name] = _check_value(dotted, _coerce(dotted, value, hint), fields[name].metadata)
+    return cls(**kwargs)
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key a config class accepts."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += all_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key_message(cls: type, root: type, prefix: str, key: str, value: Any) -> str:
+    dotted = f"{prefix}{key}"
+    here = [f.name for f in dataclasses.fields(cls)]
+    everywhere = all_keys(root)
+    same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    hint = same_name or difflib.get_close_matches(dotted, everywhere, n=1, cutoff=0.6)
+    did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+    section = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+    return (
+        f"config error: unknown key '{dotted}' (= {value!r}){did_you_mean} "
+        f"valid keys {section}: {', '.join(here)}"
+    )
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        inner = _type_name(args[0]) if args else "value"
+        return f"a list of {inner}"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def _coerce(dotted: str, value: Any, hint: Any) -> Any:
+    """Return `value` as type `hint`, or raise ConfigError naming what was expected."""
+    origin = typing.get_origin(hint)
+    bad = ConfigError(f"config error: {dotted} = {value!r} is not {_type_name(hint)}")
+    if hint is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(dotted, value, arg)
+            except ConfigError:
+                continue
+        raise bad
+    if hint is type(None):
+        if value is None:
+            return None
+        raise bad
+    if origin is Literal:
+        if value in typing.get_args(hint):
+            return value
+        allowed = ", ".join(repr(a) for a in typing.get_args(hint))
+        hint_name = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(hint)], n=1)
+        did_you_mean = f"; did you mean {hint_name[0]!r}?" if hint_name else ""
+        raise ConfigError(
+            f"config error: {dotted} = {value!r} is not allowed: choose one of {allowed}{did_you_mean}"
+        )
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise bad
+        args = typing.get_args(hint)
+        inner = args[0] if args else Any
+        items = [_coerce(f"{dotted}[{i}]", v, inner) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if hint is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    return value
+
+
+def _check_value(dotted: str, value: Any, meta: typing.Mapping[str, Any]) -> Any:
+    """Check `value` against the field's limits; raise ConfigError naming what is allowed."""
+    values = value if isinstance(value, list | tuple) else [value]
+    for v in values:
+        if v is None:
+            continue
+        if "min" in meta and v < meta["min"]:
+            raise ConfigError(f"config error: {dotted} = {v!r} is out of range: allowed >= {meta['min']}")
+        if "max" in meta and v > meta["max"]:
+            raise ConfigError(f"config error: {dotted} = {v!r} is out of range: allowed <= {meta['max']}")
+        if "choices" in meta and v not in meta["choices"]:
+            choices = [str(c) for c in meta["choices"]]
+            hint = difflib.get_close_matches(str(v), choices, n=1)
+            did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(
+                f"config error: {dotted} = {v!r} is not allowed: "
+                f"choose one of {', '.join(choices)}{did_you_mean}"
+            )
+        if "registry" in meta:
+            registry = ALL_REGISTRIES[meta["registry"]]
+            if v not in registry:
+                raise ConfigError(f"config error: {dotted} = {v!r}: {registry.unknown_message(str(v))}")
+    return value
+
+
+def to_dict(config: BaseConfig) -> dict[str, Any]:
+    """The config as plain data (tuples become lists) for saving to YAML."""
+    return yaml.safe_load(yaml.safe_dump(_plain(dataclasses.asdict(config))))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def save_config(config: BaseConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,0 +1,223 @@
+"""The loop every trainer shares: run directory, Accelerate, checkpoints, exact resume, metrics.
+
+A trainer subclasses `Trainer`, names its config dataclass in `config_class`, and implements
+`setup` (build model, optimizer, sampler), `train_step` and `evaluate`; whatever else must
+survive a restart goes through `trainer_state` / `load_trainer_state`. The base class saves
+model, optimizer, LR schedule, every RNG of every process and the trainer state, so a run killed
+at any point and resumed ends with the same parameters as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from mmrl.checkpoint import (
+    list_checkpoints,
+    load_latest_checkpoint,
+    load_model_weights,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from mmrl.config import BaseConfig, ConfigError, save_config, to_dict
+from mmrl.runlog import MetricsLog
+
+
+class Trainer:
+    config_class: ClassVar[type[BaseConfig]] = BaseConfig
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    def __init__(self, config: BaseConfig, accelerator: Accelerator | None = None) -> None:
+        self.config = config
+        self.accelerator = accelerator or Accelerator()
+        self.run_dir = Path(config.output_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.samples_dir = self.run_dir / "samples"
+
+    # -- what a trainer implements ------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Build model, optimizer, scheduler, sampler; prepare them with `self.accelerator`."""
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimisation step; returns metrics (numbers or tensors) for ``metrics.jsonl``."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics of the current model."""
+        raise NotImplementedError
+
+    def trainer_state(self) -> dict[str, Any]:
+        """Extra state that must survive a restart (e.g. the sampler's)."""
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        del state
+
+    # -- shared machinery ----------------------------------------------------------------------
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def seed_everything(self) -> None:
+        """Seed the global RNGs per process; rollouts use keyed noise, not these."""
+        seed = self.config.seed + self.accelerator.process_index
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def prepare_run_dir(self) -> None:
+        has_checkpoints = bool(list_checkpoints(self.checkpoint_dir))
+        if has_checkpoints and not self.config.resume:
+            raise ConfigError(
+                f"run directory {str(self.run_dir)!r} already has checkpoints: pass resume=true "
+                "(or --resume) to continue it, or choose a new output_dir=..."
+            )
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.samples_dir.mkdir(exist_ok=True)
+            saved = self.run_dir / "config.yaml"
+            if self.config.resume and saved.is_file():
+                warn_config_changes(saved, self.config)
+            save_config(self.config, saved)
+        self.accelerator.wait_for_everyone()
+
+    def save(self, step: int) -> None:
+        """Checkpoint at `step`: weights, optimizer, schedule, trainer state and every rank's RNGs."""
+        rngs = gather_object([rng_state()])
+        if self.is_main:
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+                "trainer": self.trainer_state(),
+                "rng": {str(rank): r for rank, r in enumerate(rngs)},
+            }
+            save_checkpoint(
+                self.checkpoint_dir,
+                step,
+                state,
+                self.accelerator.unwrap_model(self.model),
+                keep=self.config.keep_checkpoints,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def restore(self) -> int:
+        """Load the newest good checkpoint; return the step to continue from (0 if none)."""
+        checkpoint = load_latest_checkpoint(self.checkpoint_dir)
+        if checkpoint is None:
+            if self.is_main:
+                warnings.warn(
+                    f"resume=true but {self.checkpoint_dir} has no checkpoint; starting at step 0",
+                    stacklevel=2,
+                )
+            return 0
+        load_model_weights(self.accelerator.unwrap_model(self.model), checkpoint)
+        self.optimizer.load_state_dict(checkpoint.state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(checkpoint.state["scheduler"])
+        self.load_trainer_state(checkpoint.state["trainer"])
+        rngs = checkpoint.state["rng"]
+        rank = str(self.accelerator.process_index)
+        if rank not in rngs:
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} was written by {len(rngs)} processes; resume it with the same "
+                "number of processes"
+            )
+        set_rng_state(rngs[rank])
+        return checkpoint.step
+
+    def train(self) -> dict[str, Any]:
+        """Run (or resume) training to `config.steps`; return the final evaluation."""
+        self.prepare_run_dir()
+        self.seed_everything()
+        self.setup()
+        start = self.restore() if self.config.resume else 0
+        log = MetricsLog(self.run_dir, self.config.tensorboard, resume_step=start) if self.is_main else None
+        if start == 0:
+            before = self.evaluate()
+            self.write_eval("before", before)
+        steps = range(start, self.config.steps)
+        bar = tqdm(
+            steps,
+            desc="train",
+            initial=start,
+            total=self.config.steps,
+            disable=not (self.config.progress and self.is_main),
+            dynamic_ncols=True,
+        )
+        for step in bar:
+            metrics = self.train_step(step)
+            if log is not None:
+                log.log(step + 1, metrics)
+            if "reward" in metrics:
+                bar.set_postfix(reward=f"{float(metrics['reward']):.3f}")
+            if (step + 1) % self.config.checkpoint_every == 0 or step + 1 == self.config.steps:
+                self.save(step + 1)
+        bar.close()
+        after = self.evaluate()
+        self.write_eval("after", after)
+        if log is not None:
+            log.close()
+        return after
+
+    def evaluate_checkpoint(self) -> dict[str, Any]:
+        """Held-out metrics of the newest good checkpoint in the run directory (`mmrl eval`)."""
+        self.seed_everything()
+        self.setup()
+        checkpoint = load_latest_checkpoint(self.checkpoint_dir)
+        if checkpoint is None:
+            raise ConfigError(
+                f"no checkpoint in {str(self.checkpoint_dir)!r}: train the recipe first, or pass "
+                "output_dir=... of a finished run"
+            )
+        load_model_weights(self.accelerator.unwrap_model(self.model), checkpoint)
+        return {"step": checkpoint.step, **self.evaluate()}
+
+    def write_eval(self, key: str, metrics: dict[str, float]) -> None:
+        """Record held-out metrics under ``eval.json[key]`` (``before`` and ``after`` training)."""
+        if not self.is_main:
+            return
+        path = self.run_dir / "eval.json"
+        results = json.loads(path.read_text()) if path.is_file() else {}
+        results[key] = metrics
+        path.write_text(json.dumps(results, indent=1))
+
+
+def warn_config_changes(saved_path: Path, config: BaseConfig) -> None:
+    """Resuming with a different config is allowed (e.g. more steps) but should not be silent."""
+    import yaml
+
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    now = to_dict(config)
+    changed = sorted(
+        k
+        for k in _flatten(now).keys() | _flatten(saved).keys()
+        if k != "resume" and _flatten(now).get(k) != _flatten(saved).get(k)
+    )
+    if changed:
+        warnings.warn(f"resuming with config changes in: {', '.join(changed)}", stacklevel=2)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,227 @@
+import math
+
+import pytest
+import torch
+
+from mmrl.advantages import Advantages, awr, gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
+from mmrl.registry import ADVANTAGES
+
+
+def group_means(values: torch.Tensor, group_ids: torch.Tensor) -> list[float]:
+    return [values[group_ids == g].double().mean().item() for g in group_ids.unique()]
+
+
+def test_every_estimator_is_registered_and_returns_advantages():
+    names = ["awr", "gae", "grpo", "grpo_global_std", "mc_grpo", "rloo", "td1", "tree_depthwise"]
+    assert all(name in ADVANTAGES for name in names)
+    rewards, ids = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0])
+    for name in ["grpo", "grpo_global_std", "mc_grpo", "rloo"]:
+        out = ADVANTAGES.get(name)(rewards=rewards, group_ids=ids)
+        assert isinstance(out, Advantages) and out.loss_mask.dtype == torch.bool
+        assert out.values.shape == rewards.shape and out.returns is None
+
+
+def test_grpo_hand_computed():
+    # Group 7: [1, 3] -> mean 2, population std 1. Group 2: [0, 0, 6] -> mean 2, std sqrt(8).
+    rewards = torch.tensor([1.0, 0.0, 3.0, 0.0, 6.0])
+    ids = torch.tensor([7, 2, 7, 2, 2])
+    out = grpo(rewards, ids, eps=0.0)
+    s8 = math.sqrt(8)
+    torch.testing.assert_close(out.values, torch.tensor([-1.0, -2 / s8, 1.0, -2 / s8, 4 / s8]))
+    assert out.loss_mask.all()
+
+
+def test_grpo_per_group_mean_zero_std_one_and_degenerate_groups_zero():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2000,)) * 1000 + 17  # non-contiguous labels
+    rewards = torch.rand(2000)
+    rewards[ids == ids[0]] = 0.1  # one group with all-equal rewards
+    values = grpo(rewards, ids).values
+    assert (values[ids == ids[0]] == 0).all()
+    for g in ids.unique():
+        group = values[ids == g].double()
+        assert abs(group.mean().item()) < 1e-5
+        if g != ids[0]:
+            assert abs(group.std(unbiased=False).item() - 1) < 1e-4
+    single = grpo(torch.tensor([5.0, 1.0, 2.0]), torch.tensor([0, 1, 1])).values
+    assert single[0] == 0
+
+
+def test_grpo_global_std_hand_computed():
+    rewards = torch.tensor([1.0, 3.0, 10.0, 10.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    batch_std = rewards.std(unbiased=False).item()  # mean 6, deviations -5 -3 4 4 -> sqrt(66/4)
+    assert math.isclose(batch_std, math.sqrt(16.5), rel_tol=1e-6)
+    out = grpo_global_std(rewards, ids, eps=0.0)
+    torch.testing.assert_close(out.values, torch.tensor([-1.0, 1.0, 0.0, 0.0]) / batch_std)
+
+
+def test_rloo_hand_computed_and_sums_to_zero():
+    rewards = torch.tensor([1.0, 2.0, 6.0, 4.0, 5.0])
+    ids = torch.tensor([3, 3, 3, 9, -4])
+    # Group 3: 1 - (2+6)/2 = -3, 2 - (1+6)/2 = -1.5, 6 - (1+2)/2 = 4.5; singleton groups -> 0.
+    torch.testing.assert_close(rloo(rewards, ids).values, torch.tensor([-3.0, -1.5, 4.5, 0.0, 0.0]))
+    torch.manual_seed(1)
+    ids = torch.randint(0, 30, (500,))
+    values = rloo(torch.randn(500), ids).values
+    assert max(abs(m) for m in group_means(values, ids)) < 1e-5
+
+
+def test_mc_grpo_hand_computed_pivot_and_ties():
+    # Group 0: [3, 1, 2] -> median 2 (index 2), std sqrt(2/3). Group 5: [4, 4, 9] -> median 4,
+    # tie between indices 3 and 4: the lowest index (3) is the pivot.
+    rewards = torch.tensor([3.0, 1.0, 2.0, 4.0, 4.0, 9.0])
+    ids = torch.tensor([0, 0, 0, 5, 5, 5])
+    out = mc_grpo(rewards, ids, eps=0.0)
+    s0, s5 = math.sqrt(2 / 3), torch.tensor([4.0, 4.0, 9.0]).std(unbiased=False).item()
+    torch.testing.assert_close(out.values, torch.tensor([1 / s0, -1 / s0, 0.0, 0.0, 0.0, 5 / s5]))
+    assert out.loss_mask.tolist() == [True, True, False, False, True, True]
+
+
+def test_mc_grpo_one_pivot_per_group_with_zero_advantage():
+    torch.manual_seed(2)
+    ids = torch.arange(40).repeat_interleave(5)[torch.randperm(200)] * 3
+    rewards = torch.randint(0, 3, (200,)).float()  # many ties
+    out = mc_grpo(rewards, ids)
+    for g in ids.unique():
+        in_group = ids == g
+        excluded = in_group & ~out.loss_mask
+        assert excluded.sum() == 1
+        assert out.values[excluded].item() == 0
+        pivot = excluded.nonzero()[0, 0]
+        assert rewards[pivot] == rewards[in_group].median()
+        tied = (in_group & (rewards == rewards[pivot])).nonzero()[:, 0]
+        assert pivot == tied.min()  # lowest index among ties
+
+
+def test_mc_grpo_rejects_even_groups():
+    with pytest.raises(ValueError, match=r"odd number \(G\+1\).*group id 4 has 2"):
+        mc_grpo(torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0]), torch.tensor([1, 1, 1, 4, 4]))
+
+
+def test_tree_depthwise_hand_computed_and_single_node_depths():
+    # One binary tree: root (depth 0), depth 1: [1, 3], depth 2: [0, 2, 2, 4]; a second tree whose
+    # depth-1 rewards are equal (std 0 -> advantage 0).
+    rewards = torch.tensor([5.0, 1.0, 3.0, 0.0, 2.0, 2.0, 4.0, 7.0, 1.5, 1.5])
+    trees = torch.tensor([10, 10, 10, 10, 10, 10, 10, 20, 20, 20])
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 2, 0, 1, 1])
+    out = tree_depthwise(rewards, trees, depths, eps=0.0)
+    s2 = math.sqrt(2)  # depth 2: mean 2, deviations -2 0 0 2 -> std sqrt(2)
+    expected = torch.tensor([0.0, -1.0, 1.0, -2 / s2, 0.0, 0.0, 2 / s2, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(out.values, expected)
+
+
+def test_tree_depthwise_zero_mean_per_tree_depth_and_clip():
+    torch.manual_seed(3)
+    trees = torch.arange(20).repeat_interleave(30)
+    depths = torch.tensor([1] * 2 + [2] * 4 + [3] * 8 + [4] * 16).repeat(20)
+    rewards = torch.rand(600)
+    values = tree_depthwise(rewards, trees, depths).values
+    assert max(abs(m) for m in group_means(values, trees * 10 + depths)) < 1e-5
+    # One outlier among 16 nodes has z = 15 / sqrt(15) = 3.87; clip at 2 caps it.
+    outlier = torch.zeros(16)
+    outlier[0] = 1.0
+    ones = torch.ones(16, dtype=torch.long)
+    assert math.isclose(tree_depthwise(outlier, ones, ones).values[0].item(), math.sqrt(15), rel_tol=1e-5)
+    assert tree_depthwise(outlier, ones, ones, clip=2.0).values[0].item() == 2.0
+
+
+def test_awr_weights_and_clip():
+    advantages = torch.tensor([0.0, 1.0, -2.0, 50.0, 1000.0])
+    out = awr(advantages, beta=2.0, max_weight=20.0)
+    expected = torch.tensor([1.0, math.exp(0.5), math.exp(-1.0), 20.0, 20.0])
+    torch.testing.assert_close(out.values, expected)
+    normalized = awr(torch.tensor([1.0, 3.0]), beta=1.0, normalize=True, eps=0.0).values
+    torch.testing.assert_close(normalized, torch.tensor([math.exp(-1.0), math.exp(1.0)]))
+
+
+def gae_reference(rewards, values, dones, gamma, lam):
+    """Plain Python GAE over one trajectory (lists), the textbook recursion."""
+    advantages, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        not_done = 1.0 - float(dones[t])
+        delta = rewards[t] + gamma * values[t + 1] * not_done - values[t]
+        running = delta + gamma * lam * not_done * running
+        advantages[t] = running
+    return advantages
+
+
+def test_gae_matches_python_reference_with_dones_batched():
+    torch.manual_seed(4)
+    rewards, values = torch.randn(3, 12, dtype=torch.float64), torch.randn(3, 13, dtype=torch.float64)
+    dones = torch.rand(3, 12) < 0.2
+    dones[0, 5] = True
+    out = gae(rewards, values, dones, gamma=0.9, lam=0.8)
+    for b in range(3):
+        ref = gae_reference(rewards[b].tolist(), values[b].tolist(), dones[b].tolist(), 0.9, 0.8)
+        torch.testing.assert_close(out.values[b], torch.tensor(ref, dtype=torch.float64))
+    torch.testing.assert_close(out.returns, out.values + values[:, :-1])
+    single = gae(rewards[1], values[1], dones[1], gamma=0.9, lam=0.8)  # 1-D [T] input
+    torch.testing.assert_close(single.values, out.values[1])
+
+
+def test_gae_special_cases():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    values = torch.tensor([0.5, 1.0, 1.5, 2.0, 10.0])
+    dones = torch.tensor([False, True, False, False])
+    gamma = 0.5
+    # lam = 0: one-step TD residuals, equal to td1.
+    deltas = torch.tensor([1 + 0.5 * 1.0 - 0.5, 2 + 0.0 - 1.0, 3 + 0.5 * 2.0 - 1.5, 4 + 0.5 * 10.0 - 2.0])
+    torch.testing.assert_close(gae(rewards, values, dones, gamma=gamma, lam=0.0).values, deltas)
+    one_step = td1(rewards, values, dones, gamma=gamma)
+    torch.testing.assert_close(one_step.values, deltas)
+    torch.testing.assert_close(one_step.returns, deltas + values[:-1])
+    # lam = 1: discounted return (reset at the done, bootstrapped at the end) minus V_t.
+    returns = torch.tensor([1 + 0.5 * 2, 2.0, 3 + 0.5 * (4 + 0.5 * 10), 4 + 0.5 * 10])
+    full = gae(rewards, values, dones, gamma=gamma, lam=1.0)
+    torch.testing.assert_close(full.values, returns - values[:-1])
+    torch.testing.assert_close(full.returns, returns)
+
+
+def test_gae_rejects_bad_shapes_and_nan():
+    with pytest.raises(ValueError, match=r"values \[\.\.\., T\+1\]"):
+        gae(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="values contain NaN"):
+        td1(torch.zeros(4), torch.tensor([0.0, float("nan"), 0, 0, 0]), torch.zeros(4))
+
+
+@pytest.mark.parametrize("estimator", [grpo, grpo_global_std, rloo, mc_grpo])
+def test_group_estimators_are_permutation_invariant(estimator):
+    torch.manual_seed(5)
+    ids = torch.arange(-20, 20).repeat_interleave(5) * 7919  # negative, non-contiguous labels
+    rewards = torch.randn(200)  # continuous: no ties, so the mc_grpo pivot is unique
+    perm = torch.randperm(200)
+    out, permuted = estimator(rewards, ids), estimator(rewards[perm], ids[perm])
+    torch.testing.assert_close(permuted.values, out.values[perm])
+    assert torch.equal(permuted.loss_mask, out.loss_mask[perm])
+
+
+def test_tree_depthwise_is_permutation_invariant():
+    torch.manual_seed(6)
+    trees = torch.arange(8).repeat_interleave(14) + 100
+    depths = torch.tensor([1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3]).repeat(8)
+    rewards, perm = torch.rand(112), torch.randperm(112)
+    out = tree_depthwise(rewards, trees, depths).values
+    torch.testing.assert_close(tree_depthwise(rewards[perm], trees[perm], depths[perm]).values, out[perm])
+
+
+@pytest.mark.parametrize("estimator", [grpo, grpo_global_std, rloo, mc_grpo])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_rewards_raise(estimator, bad):
+    rewards = torch.tensor([1.0, bad, 0.0])
+    kind = "NaN" if math.isnan(bad) else "inf"
+    with pytest.raises(ValueError, match=f"rewards contain {kind} .*index 1"):
+        estimator(rewards, torch.zeros(3, dtype=torch.long))
+
+
+def test_integer_rewards_and_dtype_preserved():
+    assert grpo(torch.tensor([1, 0, 1, 1]), torch.tensor([0, 0, 1, 1])).values.dtype == torch.float32
+    bf16 = torch.tensor([1.0, 0.0, 0.5], dtype=torch.bfloat16)
+    assert rloo(bf16, torch.zeros(3, dtype=torch.long)).values.dtype == torch.bfloat16
+
+
+def test_mismatched_shapes_raise():
+    with pytest.raises(ValueError, match="same length"):
+        grpo(torch.zeros(3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer depths"):
+        tree_depthwise(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.zeros(3))
