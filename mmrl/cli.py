@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     config = load_config(args.config, overrides)
-    result = TRAINERS.get(config.trainer)(config).train()
-    print(json.dumps(result))
+    trainer = TRAINERS.get(config.trainer)(config)
+    result = trainer.train()
+    if trainer.is_main:
+        print(json.dumps(result))
     return 0
 
 

@@ -173,10 +173,12 @@ def build_model(config: TinyModelConfig, digits: int) -> Qwen2ForCausalLM:
 def answer_logprobs(
     model: torch.nn.Module, prompts: torch.Tensor, answers: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """Per-token log-probs [N, K] of `answers` given `prompts` (one teacher-forced forward)."""
+    """Per-token log-probs [N, K] of `answers` given `prompts` (one teacher-forced forward).
+
+    Answers are digits, so the distribution is over the digit tokens only."""
     tokens = torch.cat([prompt_tokens(prompts), answers], dim=1)
     k = answers.shape[1]
-    logits = model(input_ids=tokens).logits[:, -k - 1 : -1].float() / temperature
+    logits = model(input_ids=tokens).logits[:, -k - 1 : -1, :DIGITS].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, answers.unsqueeze(-1)).squeeze(-1)
 
 
@@ -238,9 +240,9 @@ def sample_trees(
             rows, tokens, answer = new_rows, torch.stack(new_tokens), new_answer
             edge_tokens = [[] for _ in rows]
             edge_logps = [[] for _ in rows]
-        logits = model(input_ids=tokens).logits[:, -1].float() / rollout.temperature
+        logits = model(input_ids=tokens).logits[:, -1, :DIGITS].float() / rollout.temperature
         keys = [NoiseKey(seed, step, prompt_ids[t], node, stream=p) for t, node in rows]
-        uniform = keyed_rand_batch((VOCAB,), keys).clamp_(1e-20, 1.0 - 1e-7)
+        uniform = keyed_rand_batch((DIGITS,), keys).clamp_(1e-20, 1.0 - 1e-7)
         gumbel = -torch.log(-torch.log(uniform))
         next_token = (logits + gumbel).argmax(-1)
         logp = torch.log_softmax(logits, -1).gather(-1, next_token.unsqueeze(-1)).squeeze(-1)

@@ -42,7 +42,8 @@ class Trainer:
 
     def __init__(self, config: BaseConfig, accelerator: Accelerator | None = None) -> None:
         self.config = config
-        self.accelerator = accelerator or Accelerator()
+        # without CUDA, processes started by `accelerate launch --multi_gpu` / torchrun join over gloo
+        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.run_dir = Path(config.output_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.samples_dir = self.run_dir / "samples"

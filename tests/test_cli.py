@@ -1,0 +1,60 @@
+"""The `mmrl` command line: every subcommand has --help; `mmrl list` shows recipes and all registries."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mmrl.cli import main
+from mmrl.registry import ALL_REGISTRIES
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain", "eval", "bench", "report", "list"])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: mmrl " + command in capsys.readouterr().out
+
+
+def test_list_shows_recipes_and_every_registry(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "core/tiny_grpo" in out and "pretrain/tiny_lm" in out
+    assert "accelerate" not in out  # launch configs are not recipes
+    for kind in ("advantage", "sampler", "loss", "precision", "reward", "trainer", "bench"):
+        assert f"{kind} (" in out
+        assert len(ALL_REGISTRIES[kind]) > 0
+    for name in (
+        "grpo",
+        "grpo_global_std",
+        "mc_grpo",
+        "rloo",
+        "tree_depthwise",
+        "awr",
+        "gae",
+        "uniform",
+        "dynamic_filter",
+        "beta_thompson",
+        "ppo_clip",
+        "kl",
+        "nvfp4-emulated",
+        "bf16",
+        "fp8",
+        "tiny_grpo",
+        "core",
+        "answer_match",
+    ):
+        assert f"  {name}\n" in out
+
+
+def test_unknown_bench_is_a_clear_error(capsys):
+    assert main(["bench", "cor"]) == 2
+    assert "did you mean 'core'" in capsys.readouterr().err
+
+
+def test_console_script_and_module_entry_points():
+    out = subprocess.run(
+        [sys.executable, "-m", "mmrl", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "trainer (" in out

@@ -1,0 +1,51 @@
+"""Two CPU processes through `accelerate launch` (gloo): different rollouts per rank, identical parameters."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_two_process_ddp_run(tmp_path):
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
+        "--main_process_port",
+        "29517",
+        "-m",
+        "mmrl",
+        "train",
+        "core/tiny_grpo",
+        f"output_dir={tmp_path}",
+        "model.path=null",
+        "model.hidden_size=32",
+        "task.train_prompts=256",
+        "task.heldout_prompts=16",
+        "rollout.prompts_per_step=2",
+        "steps=3",
+        "progress=false",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = json.loads((tmp_path / "replicas.json").read_text())["param_sha256_by_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    ranks = [
+        [
+            json.loads(line)
+            for line in (tmp_path / "samples" / f"rollouts_rank{r}.jsonl").read_text().splitlines()
+        ]
+        for r in (0, 1)
+    ]
+    for step in range(3):
+        prompts = [[row["prompt"] for row in rows if row["step"] == step] for rows in ranks]
+        assert prompts[0] and prompts[1] and not set(map(tuple, prompts[0])) & set(map(tuple, prompts[1]))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # only the main process logs
