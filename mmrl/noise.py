@@ -112,8 +112,9 @@ def _keyed_fill(
     device = _resolve_device(device)
     generator = _generator(device)
     out = torch.empty((len(keys), *shape), device=device, dtype=torch.float32)
-    for row, key in zip(out, keys, strict=True):
-        generator.manual_seed(key.seed_int())
+    seeds = [key.seed_int() for key in keys]
+    for row, seed in zip(out.unbind(0), seeds, strict=True):
+        generator.manual_seed(seed)
         fill(row, generator=generator)
     return out.to(dtype)
 
