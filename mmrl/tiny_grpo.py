@@ -71,7 +71,8 @@ class TinyRolloutConfig:
 
 @dataclass
 class TinyGRPOTrainConfig:
-    lr: float = option(3e-3, "AdamW learning rate", min=0.0)
+    lr: float = option(1e-3, "AdamW learning rate", min=0.0)
+    warmup_steps: int = option(0, "linear learning-rate warm-up steps", min=0)
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
     advantage: str = option(
         "grpo", "advantage estimator (tree rollouts use tree_depthwise)", registry="advantage"
@@ -287,7 +288,13 @@ class TinyGRPOTrainer(Trainer):
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
         )
+        warmup = cfg.train.warmup_steps
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # stepped once per optimisation step on every process (not wrapped: Accelerate's wrapper
+        # would step it once per process)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1))
+        )
         self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_prompts), seed=cfg.seed)
         self.tree_rollouts = len(cfg.rollout.split_positions) > 1
 
@@ -361,6 +368,7 @@ class TinyGRPOTrainer(Trainer):
             self.accelerator.backward(loss)
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
             self.optimizer.step()
+        self.scheduler.step()
 
         self.write_samples(step, prompts, trees)
         metrics.update(
@@ -370,6 +378,7 @@ class TinyGRPOTrainer(Trainer):
             clip_fraction=out.metrics["clip_fraction"],
             approx_kl=out.metrics["approx_kl"],
             leaves_per_prompt=answers.shape[0] / len(trees),
+            lr=self.scheduler.get_last_lr()[0],
         )
         return metrics
 

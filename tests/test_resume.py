@@ -21,6 +21,7 @@ ARGS = [
     "progress=false",
     "train.sampler=beta_thompson",
     "train.kl_coef=0.01",
+    "train.warmup_steps=6",
 ]
 
 

@@ -43,6 +43,11 @@ def test_run_directory_layout(tmp_path):
     assert (tmp_path / "samples" / "rollouts_rank0.jsonl").is_file()
 
 
+def test_tensorboard_events(tmp_path):
+    run(tmp_path, "steps=1", "tensorboard=true")
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_existing_run_needs_resume(tmp_path):
     run(tmp_path, "steps=1")
     with pytest.raises(ConfigError, match="resume=true"):
