@@ -130,6 +130,15 @@ def make_prompts(n: int, digits: int, seed: int, exclude: set[tuple[int, ...]] |
     return torch.tensor(rows, dtype=torch.long)
 
 
+def split_prompts(task: TinyTaskConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(held-out, training) prompts: fixed by `task.data_seed`, disjoint."""
+    heldout = make_prompts(task.heldout_prompts, task.digits, task.data_seed)
+    train = make_prompts(
+        task.train_prompts, task.digits, task.data_seed + 1, exclude={tuple(r) for r in heldout.tolist()}
+    )
+    return heldout, train
+
+
 def reversal_reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
     """Fraction of answer digits equal to the reversed prompt."""
     return (answers == prompts.flip(-1)).float().mean(-1)
@@ -276,13 +285,7 @@ class TinyGRPOTrainer(Trainer):
 
     def setup(self) -> None:
         cfg = self.config
-        self.heldout = make_prompts(cfg.task.heldout_prompts, cfg.task.digits, cfg.task.data_seed)
-        self.train_prompts = make_prompts(
-            cfg.task.train_prompts,
-            cfg.task.digits,
-            cfg.task.data_seed + 1,
-            exclude={tuple(r) for r in self.heldout.tolist()},
-        )
+        self.heldout, self.train_prompts = split_prompts(cfg.task)
         model = build_model(cfg.model, cfg.task.digits)
         self.reference = copy.deepcopy(model).requires_grad_(False) if cfg.train.kl_coef > 0 else None
         optimizer = torch.optim.AdamW(
@@ -491,13 +494,7 @@ class TinySFTTrainer(Trainer):
 
     def setup(self) -> None:
         cfg = self.config
-        self.heldout = make_prompts(cfg.task.heldout_prompts, cfg.task.digits, cfg.task.data_seed)
-        self.train_prompts = make_prompts(
-            cfg.task.train_prompts,
-            cfg.task.digits,
-            cfg.task.data_seed + 1,
-            exclude={tuple(r) for r in self.heldout.tolist()},
-        )
+        self.heldout, self.train_prompts = split_prompts(cfg.task)
         model = build_model(cfg.model, cfg.task.digits)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
