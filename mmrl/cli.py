@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 
 from mmrl.config import ConfigError, list_recipes, load_config
 from mmrl.registry import ALL_REGISTRIES, BENCHES, TRAINERS, UnknownNameError
+from mmrl.trainer import TrainingStopped
 
 BUILTIN_MODULES = (
     "mmrl.advantages",
@@ -100,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UnknownNameError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingStopped as err:
+        print(
+            f"error: run stopped: {err} (checkpoint saved; see stopped.json in the run directory)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:

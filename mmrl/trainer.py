@@ -33,6 +33,11 @@ from mmrl.config import BaseConfig, ConfigError, save_config, to_dict
 from mmrl.runlog import MetricsLog
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. NaN losses in a row, reward server down). The trainer saves a
+    checkpoint of the last completed step and records the reason in ``stopped.json``."""
+
+
 class Trainer:
     config_class: ClassVar[type[BaseConfig]] = BaseConfig
 
@@ -162,7 +167,11 @@ class Trainer:
             dynamic_ncols=True,
         )
         for step in bar:
-            metrics = self.train_step(step)
+            try:
+                metrics = self.train_step(step)
+            except TrainingStopped as stop:
+                self.stop(step, str(stop))
+                raise
             if log is not None:
                 log.log(step + 1, metrics)
             if "reward" in metrics:
@@ -176,6 +185,17 @@ class Trainer:
             log.close()
         return after
 
+    def stop(self, step: int, reason: str) -> None:
+        """Checkpoint the last completed step and record why the run stopped."""
+        self.save(step)
+        if self.is_main:
+            record = {
+                "step": step,
+                "reason": reason,
+                "checkpoint": str(self.checkpoint_dir / f"step_{step:08d}"),
+            }
+            (self.run_dir / "stopped.json").write_text(json.dumps(record, indent=1))
+
     def evaluate_checkpoint(self) -> dict[str, Any]:
         """Held-out metrics of the newest good checkpoint in the run directory (`mmrl eval`)."""
         self.seed_everything()
@@ -187,6 +207,7 @@ class Trainer:
                 "output_dir=... of a finished run"
             )
         load_model_weights(self.accelerator.unwrap_model(self.model), checkpoint)
+        self.load_trainer_state(checkpoint.state["trainer"])
         return {"step": checkpoint.step, **self.evaluate()}
 
     def write_eval(self, key: str, metrics: dict[str, float]) -> None:

@@ -1,0 +1,128 @@
+"""`mmrl bench diffusion`: flat GRPO vs BranchGRPO variants on the same model, side by side.
+
+Every variant trains the same number of leaves per prompt (16) on the same prompts; the table
+prints model evaluations (NFE) and wall-clock per iteration as ratios to flat GRPO, with the
+targets from the BranchGRPO paper, and the FP4 exploration pass's rollout time per candidate
+against full precision (emulated FP4 is slower than FP32 on a CPU; the ratio is reported as
+measured).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from diffusion_rl.trainer import BranchGRPOTrainer, plan_for, rollout_trees
+from mmrl.config import load_config
+from mmrl.precision import explore_precision
+from mmrl.registry import BENCHES
+
+VARIANTS = {
+    # name: (overrides, NFE target, wall-clock target) -- targets as ratios to flat GRPO
+    "flat GRPO": (
+        ["rollout.split_steps=[0]", "rollout.branch_factor=16", "train.advantage=grpo"],
+        None,
+        None,
+    ),
+    "BranchGRPO": ([], 0.65, 0.71),
+    "BranchGRPO depth-pruned": (["prune.depths=[4]"], 0.65, 0.45),
+    "BranchGRPO Mix": (["rollout.sde_window=[0,2]", "prune.depths=[4]"], 0.65, 0.21),
+}
+
+
+def _trainer(overrides: list[str], run_dir: str) -> BranchGRPOTrainer:
+    config = load_config("diffusion/branchgrpo", [f"output_dir={run_dir}", "progress=false", *overrides])
+    trainer = BranchGRPOTrainer(config)
+    trainer.seed_everything()
+    trainer.setup()
+    return trainer
+
+
+def _time_steps(trainer: BranchGRPOTrainer, iterations: int) -> tuple[float, float]:
+    """Median seconds per iteration and NFE per prompt (after one warm-up iteration)."""
+    trainer.train_step(0)
+    times, nfe = [], 0.0
+    for step in range(1, iterations + 1):
+        start = time.perf_counter()
+        metrics = trainer.train_step(step)
+        times.append(time.perf_counter() - start)
+        nfe = float(metrics["nfe"])
+    return statistics.median(times), nfe
+
+
+def _verdict(ratio: float, target: float | None) -> str:
+    if target is None:
+        return "baseline"
+    return ("PASS" if ratio <= target else "FAIL") + f" (<= {target:.2f}x)"
+
+
+@BENCHES.register("diffusion")
+def bench_diffusion(iterations: int = 3) -> list[dict[str, Any]]:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (overrides, nfe_target, time_target) in VARIANTS.items():
+            trainer = _trainer(overrides, f"{tmp}/{len(rows)}")
+            seconds, nfe = _time_steps(trainer, iterations)
+            rows.append(
+                {
+                    "variant": name,
+                    "seconds": seconds,
+                    "nfe": nfe,
+                    "nfe_target": nfe_target,
+                    "time_target": time_target,
+                }
+            )
+        fp4 = _explore_timing(_trainer([], f"{tmp}/fp4"), iterations)
+    base = rows[0]
+    print(
+        f"{'variant':<26}{'NFE/prompt':>11}{'NFE ratio':>11}  {'verdict':<18}"
+        f"{'s/iter':>8}{'time ratio':>12}  verdict"
+    )
+    for row in rows:
+        row["nfe_ratio"] = row["nfe"] / base["nfe"]
+        row["time_ratio"] = row["seconds"] / base["seconds"]
+        print(
+            f"{row['variant']:<26}{row['nfe']:>11.0f}{row['nfe_ratio']:>10.3f}x  "
+            f"{_verdict(row['nfe_ratio'], row['nfe_target']):<18}"
+            f"{row['seconds']:>8.2f}{row['time_ratio']:>11.3f}x  "
+            f"{_verdict(row['time_ratio'], row['time_target'])}"
+        )
+    print(
+        f"\nFP4 exploration rollout, seconds per candidate ({fp4['device']}): full precision "
+        f"{fp4['full']:.4f}, {fp4['precision']} {fp4['low']:.4f} -> ratio {fp4['low'] / fp4['full']:.2f}x"
+        + (
+            " (emulated: fake quantisation adds work on this device; real FP4 kernels need the GPU machine)"
+            if fp4["precision"].endswith("emulated")
+            else ""
+        )
+    )
+    rows.append({"variant": "fp4 explore", **fp4})
+    return rows
+
+
+def _explore_timing(trainer: BranchGRPOTrainer, iterations: int) -> dict[str, Any]:
+    """Rollout seconds per leaf of one exploration tree per prompt, quantised vs full precision."""
+    cfg = trainer.config
+    plan = plan_for(cfg.rollout)
+    prompts = trainer.prompts[: cfg.rollout.prompts_per_step]
+    ids = list(range(len(prompts)))
+    cond = trainer.pipe.encode_prompts(prompts)
+    uncond = trainer.uncond_one[[0] * len(prompts)]
+    leaves = len(plan.leaf_keys()) * len(prompts)
+
+    def run() -> float:
+        start = time.perf_counter()
+        rollout_trees(trainer.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, 0)
+        return (time.perf_counter() - start) / leaves
+
+    run()
+    full = statistics.median(run() for _ in range(iterations))
+    with explore_precision(trainer.pipe.transformer, cfg.explore.precision):
+        run()
+        low = statistics.median(run() for _ in range(iterations))
+    return {"full": full, "low": low, "precision": cfg.explore.precision, "device": str(trainer.pipe.device)}

@@ -1,0 +1,666 @@
+"""BranchGRPO for flow-matching text-to-image models; flat GRPO is the depth-1 case.
+
+One training step, read top to bottom in `BranchGRPOTrainer.train_step`:
+
+1. pick prompts; 2. (optional, Sol-RL) explore a large candidate pool with the policy quantised
+(e.g. NVFP4) and keep the best and worst candidates by reward; 3. roll out denoising trees: every
+node branches `branch_factor` ways at each split step, the model is evaluated once per node and
+step (children of a split share their parent's velocity), and every random draw is keyed by
+(seed, step, prompt, node key, denoising step) so any subset of leaves can be replayed exactly;
+4. reward the leaves, fuse rewards up the tree, depth-wise advantages per node; 5. PPO-clip on the
+log-prob of every stochastic step of every trained edge (an edge parent -> child carries A(child)).
+
+Flat GRPO (DanceGRPO / Flow-GRPO) is ``split_steps: [0]`` with ``branch_factor`` = group size and a
+flat advantage estimator (``grpo`` or ``grpo_global_std``). The Mix variant is ``sde_window``: SDE
+steps inside the window and at split steps, ODE elsewhere, and only SDE steps are trained.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from accelerate.utils import gather_object
+
+from diffusion_rl.models import Conditioning, FlowPipeline
+from diffusion_rl.sampling import evaluate_alignment, save_grid
+from diffusion_rl.sde import StepOutput, sde_step, sde_step_mask, shifted_sigmas
+from diffusion_rl.shapes import train_prompts
+from mmrl.advantages import tree_depthwise
+from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.losses import gaussian_kl_same_std, ppo_clip
+from mmrl.noise import NoiseKey, keyed_randn_batch
+from mmrl.precision import explore_precision
+from mmrl.registry import ADVANTAGES, REWARDS, TRAINERS, UnknownNameError
+from mmrl.trainer import Trainer, TrainingStopped
+from mmrl.tree import RolloutTree, batch_trees, width_prune
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelConfig:
+    path: str = option(
+        "diffusion_rl/assets/tiny_flow", "local model directory (FlowPipeline.save_pretrained)"
+    )
+    lora_rank: int = option(0, "LoRA rank on the transformer's attention; 0 trains every weight", min=0)
+    lora_alpha: float = option(0.0, "LoRA alpha (0: equal to the rank)", min=0.0)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = option(4, "prompts per step on each process", min=1)
+    steps: int = option(20, "denoising steps", min=1)
+    image_size: int | None = option(None, "image side in pixels (null: the model's own size)", min=1)
+    guidance_scale: float = option(3.0, "classifier-free guidance scale (1: none)", min=1.0)
+    sde: Literal["flow_grpo", "dance_grpo"] = option("flow_grpo", "SDE form of the stochastic steps")
+    noise_level: float = option(0.7, "Flow-GRPO a / DanceGRPO eta", min=0.0)
+    split_steps: list[int] = option([0, 3, 6, 9], "steps where every node branches (flat GRPO: [0])", min=0)
+    branch_factor: int = option(2, "children per node at a split (flat GRPO: the group size)", min=2)
+    split_noise_scale: float = option(1.0, "noise multiplier at split steps", min=0.0)
+    sde_window: list[int] | None = option(None, "[start, end): SDE only there and at splits (Mix); null: all")
+    reward_fusion: Literal["mean", "logprob_weighted"] = option("mean", "how a node's reward is fused")
+
+
+@dataclass
+class PruneConfig:
+    depths: list[int] = option([], "depth pruning: edges into these depths are not trained", min=1)
+    width: Literal["none", "top_half_per_branch", "best_worst_quarter"] = option(
+        "none", "width pruning of the last depth's edges"
+    )
+
+
+@dataclass
+class ExploreConfig:
+    """Sol-RL: explore in low precision, replay the chosen leaves in full precision, train on those."""
+
+    enabled: bool = option(False, "explore a candidate pool in low precision first")
+    precision: str = option("nvfp4-emulated", "precision of the exploration pass", registry="precision")
+    branch_factor: int = option(4, "branch factor of the exploration trees (pool = factor ** splits)", min=2)
+    steps: int | None = option(None, "denoising steps while exploring (null: rollout.steps)", min=1)
+    keep: int = option(16, "leaves kept per prompt: the best keep/2 and the worst keep/2", min=2)
+    quantize_activations: bool = option(False, "also fake-quantise Linear inputs (W4A4)")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = option(1e-4, "AdamW learning rate", min=0.0)
+    advantage: str = option("tree_depthwise", "advantage estimator", registry="advantage")
+    clip_low: float = option(1e-4, "PPO ratio clip below 1 (per-step ratios are close to 1)", min=0.0)
+    clip_high: float = option(1e-4, "PPO ratio clip above 1", min=0.0)
+    adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
+    kl_coef: float = option(0.0, "weight of the KL between policy and reference step means", min=0.0)
+    max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    micro_batch: int = option(64, "denoising steps per forward/backward", min=1)
+    nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
+
+
+@dataclass
+class RewardConfig:
+    name: str = option("geneval_mini", "reward (see `mmrl list`)", registry="reward")
+    options: dict = option({}, "keyword options of the reward factory")
+
+
+@dataclass
+class EvalConfig:
+    prompts: int = option(64, "held-out prompts", min=1)
+    steps: int = option(20, "ODE sampling steps", min=1)
+    guidance_scale: float = option(3.0, "classifier-free guidance", min=1.0)
+
+
+@dataclass
+class BranchGRPOConfig(BaseConfig):
+    trainer: str = option("branch_grpo", "trainer name", registry="trainer")
+    prompt_file: str | None = option(None, "text file with one prompt per line (null: the shapes prompts)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        r = self.rollout
+        if not r.split_steps or sorted(set(r.split_steps)) != r.split_steps or r.split_steps[-1] >= r.steps:
+            raise ConfigError(
+                f"config error: rollout.split_steps = {r.split_steps} must be increasing and below "
+                f"rollout.steps = {r.steps}"
+            )
+        if r.sde_window is not None and (
+            len(r.sde_window) != 2 or not 0 <= r.sde_window[0] <= r.sde_window[1] <= r.steps
+        ):
+            raise ConfigError(
+                f"config error: rollout.sde_window = {r.sde_window} must be [start, end] with "
+                f"0 <= start <= end <= rollout.steps = {r.steps}"
+            )
+        if self.explore.enabled and self.explore.keep % 2:
+            raise ConfigError(
+                f"config error: explore.keep = {self.explore.keep} must be even (best and worst halves)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout trees
+
+
+@dataclass
+class StepRecord:
+    """One stochastic denoising step of an edge: enough to recompute its log-prob later."""
+
+    step: int
+    x: torch.Tensor
+    x_next: torch.Tensor
+    old_logp: float
+
+
+@dataclass
+class TreePlan:
+    """The shape every tree of a rollout takes, and which steps are stochastic."""
+
+    steps: int
+    split_steps: list[int]
+    branch_factor: int
+    sde_mask: list[bool]
+
+    def child_key(self, parent_key: int, index: int) -> int:
+        """Heap numbering of a k-ary tree: keys (and so noise) do not depend on which nodes exist."""
+        return parent_key * self.branch_factor + index + 1
+
+    def leaf_keys(self) -> list[int]:
+        keys = [0]
+        for _ in self.split_steps:
+            keys = [self.child_key(k, i) for k in keys for i in range(self.branch_factor)]
+        return keys
+
+
+def ancestors(plan: TreePlan, leaf_keys: list[int]) -> set[int]:
+    """Every key on the paths from the root to `leaf_keys` (the skeleton of a replay)."""
+    keep = {0}
+    for key in leaf_keys:
+        while key not in keep:
+            keep.add(key)
+            key = (key - 1) // plan.branch_factor
+    return keep
+
+
+def plan_for(rollout: RolloutConfig, steps: int | None = None, branch_factor: int | None = None) -> TreePlan:
+    """The rollout's tree plan, optionally with fewer steps (split steps rescaled) or another factor."""
+    steps = steps or rollout.steps
+    splits = [s * steps // rollout.steps for s in rollout.split_steps]
+    if len(set(splits)) != len(splits):
+        raise ConfigError(
+            f"config error: explore.steps = {steps} is too few to keep the split steps "
+            f"{rollout.split_steps} of {rollout.steps} steps apart"
+        )
+    window = None
+    if rollout.sde_window is not None:
+        window = (
+            rollout.sde_window[0] * steps // rollout.steps,
+            rollout.sde_window[1] * steps // rollout.steps,
+        )
+    return TreePlan(
+        steps, splits, branch_factor or rollout.branch_factor, sde_step_mask(steps, splits, window)
+    )
+
+
+@torch.no_grad()
+def rollout_trees(
+    pipe: FlowPipeline,
+    cond: Conditioning,
+    uncond: Conditioning,
+    prompt_ids: list[int],
+    plan: TreePlan,
+    rollout: RolloutConfig,
+    seed: int,
+    step: int,
+    skeletons: list[set[int]] | None = None,
+) -> tuple[list[RolloutTree], torch.Tensor, int]:
+    """Denoise one tree per prompt; return the trees, the leaf latents (tree-major order) and the
+    number of model evaluations. A node's `state` holds its noise key and its `StepRecord`s; a
+    skeleton (a set of keys) restricts the tree to those nodes, for exact replays."""
+    device = pipe.device
+    sigmas = shifted_sigmas(plan.steps, pipe.shift, device=device)
+    trees = [RolloutTree(root_state={"key": 0, "records": []}) for _ in prompt_ids]
+    rows = [(t, 0) for t in range(len(trees))]  # (tree index, node id)
+    root_keys = [NoiseKey(seed, step, prompt_ids[t], 0, plan.steps) for t in range(len(trees))]
+    x = keyed_randn_batch(pipe.latent_shape(), root_keys, device=device)
+    splits = set(plan.split_steps)
+    evaluations = 0
+    for i in range(plan.steps):
+        tree_index = [t for t, _ in rows]
+        v = pipe.velocity(
+            x, sigmas[i].expand(len(rows)), cond[tree_index], rollout.guidance_scale, uncond[tree_index]
+        )
+        evaluations += len(rows)
+        if i in splits:  # children share the parent's velocity at the split step
+            new_rows, parent_rows = [], []
+            for r, (t, node) in enumerate(rows):
+                parent_key = trees[t].nodes[node].state["key"]
+                for c in range(plan.branch_factor):
+                    key = plan.child_key(parent_key, c)
+                    if skeletons is not None and key not in skeletons[t]:
+                        continue
+                    child = trees[t].add_child(node, state={"key": key, "records": []})
+                    new_rows.append((t, child))
+                    parent_rows.append(r)
+            rows, x, v = new_rows, x[parent_rows], v[parent_rows]
+        if plan.sde_mask[i]:
+            keys = [NoiseKey(seed, step, prompt_ids[t], trees[t].nodes[n].state["key"], i) for t, n in rows]
+            noise = keyed_randn_batch(pipe.latent_shape(), keys, device=device)
+            scale = rollout.noise_level * (rollout.split_noise_scale if i in splits else 1.0)
+            out = sde_step(rollout.sde, v, x, sigmas[i], sigmas[i + 1], noise_scale=scale, noise=noise)
+            for r, (t, n) in enumerate(rows):
+                trees[t].nodes[n].state["records"].append(
+                    StepRecord(i, x[r].clone(), out.prev_sample[r].clone(), float(out.log_prob[r]))
+                )
+            x = out.prev_sample
+        else:
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+    for t, tree in enumerate(trees):  # leaves in tree order, matching `rows`
+        assert [n for tt, n in rows if tt == t] == tree.leaves()
+    for tree in trees:
+        for node in tree.nodes:
+            node.old_logp = torch.tensor([r.old_logp for r in node.state["records"]])
+    return trees, x, evaluations
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+
+
+def kendall_tau(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Rank agreement of two score vectors (tau-a; 1 = same order)."""
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    da = torch.sign(a.unsqueeze(0) - a.unsqueeze(1))
+    db = torch.sign(b.unsqueeze(0) - b.unsqueeze(1))
+    return float((da * db).triu(1).sum() / (n * (n - 1) / 2))
+
+
+def load_prompts(prompt_file: str | None) -> list[str]:
+    if prompt_file is None:
+        return train_prompts()
+    path = Path(prompt_file)
+    if not path.is_file():
+        raise ConfigError(
+            f"config error: prompt_file = {prompt_file!r} does not exist; give a text file with one "
+            "prompt per line, or null for the built-in shapes prompts"
+        )
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"config error: prompt_file = {prompt_file!r} holds no prompts (one per line)")
+    return prompts
+
+
+def resolve_model_path(path: str) -> Path:
+    """A model directory as given, or relative to the repository (for the shipped tiny model)."""
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError(
+        f"config error: model.path = {path!r} is not a directory; run `mmrl pretrain diffusion` "
+        "and pass model.path=runs/pretrain/diffusion/pipeline, or give a local model directory"
+    )
+
+
+@TRAINERS.register("branch_grpo")
+class BranchGRPOTrainer(Trainer):
+    config_class = BranchGRPOConfig
+    config: BranchGRPOConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.prompts = load_prompts(cfg.prompt_file)
+        try:
+            self.reward_fn = REWARDS.get(cfg.reward.name)(**cfg.reward.options)
+        except UnknownNameError as err:
+            raise ConfigError(f"config error: reward.name: {err}") from None
+        except TypeError as err:
+            raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
+        self.pipe = FlowPipeline.from_pretrained(resolve_model_path(cfg.model.path)).to(
+            self.accelerator.device
+        )
+        if cfg.rollout.image_size is not None:
+            try:
+                self.pipe.set_image_size(cfg.rollout.image_size)
+            except ValueError as err:
+                raise ConfigError(
+                    f"config error: rollout.image_size = {cfg.rollout.image_size}: {err}"
+                ) from None
+        self.reference = None
+        if cfg.train.kl_coef > 0:
+            self.reference = copy.deepcopy(self.pipe.transformer).requires_grad_(False)
+        if cfg.model.lora_rank > 0:
+            from peft import LoraConfig
+
+            self.pipe.transformer.requires_grad_(False)
+            self.pipe.transformer.add_adapter(
+                LoraConfig(
+                    r=cfg.model.lora_rank,
+                    lora_alpha=cfg.model.lora_alpha or cfg.model.lora_rank,
+                    init_lora_weights="gaussian",
+                    target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                )
+            )
+        params = [p for p in self.pipe.transformer.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=0.0)
+        self.model, self.optimizer = self.accelerator.prepare(self.pipe.transformer, optimizer)
+        self.prompt_generator = torch.Generator().manual_seed(cfg.seed)
+        self.nan_streak = 0
+        self.skipped_steps = 0
+        self.plan = plan_for(cfg.rollout)
+        self.uncond_one = self.pipe.encode_prompts([""])
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"prompt_generator": self.prompt_generator.get_state(), "skipped_steps": self.skipped_steps}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.prompt_generator.set_state(state["prompt_generator"])
+        self.skipped_steps = state["skipped_steps"]
+
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.config.eval
+        return evaluate_alignment(self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def pick_prompts(self) -> tuple[list[int], list[str]]:
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        n = self.config.rollout.prompts_per_step
+        chosen = torch.randint(len(self.prompts), (n * world,), generator=self.prompt_generator).tolist()
+        mine = chosen[rank::world]
+        return mine, [self.prompts[i] for i in mine]
+
+    def score(self, latents: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from diffusion_rl.rewards import RewardServerError
+
+        images = self.pipe.decode(latents)
+        try:
+            rewards = self.reward_fn(images, prompts=prompts).float().cpu()
+        except RewardServerError as err:
+            raise TrainingStopped(f"reward server failed: {err}") from err
+        return rewards, images
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.config
+        ids, prompts = self.pick_prompts()
+        cond = self.pipe.encode_prompts(prompts)
+        uncond = self.uncond_one[[0] * len(prompts)]
+        metrics: dict[str, Any] = {}
+        skeletons = None
+        plan = self.plan
+        if cfg.explore.enabled:
+            skeletons, plan, explore_metrics = self.explore(ids, prompts, cond, uncond, step)
+            metrics.update(explore_metrics)
+        trees, leaves, evaluations = rollout_trees(
+            self.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, step, skeletons
+        )
+        leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
+        rewards, images = self.score(leaves, leaf_prompts)
+        if not torch.isfinite(rewards).all():
+            return self.skip_step("non-finite reward")
+        if cfg.explore.enabled:
+            metrics["kendall_tau_lowp_vs_full"] = self.rank_agreement(trees, rewards)
+        offset = 0
+        for tree in trees:
+            for leaf in tree.leaves():
+                tree.set_leaf_reward(leaf, float(rewards[offset]))
+                offset += 1
+        advantages = self.node_advantages(trees, ids)
+        samples = self.training_samples(trees, advantages, step)
+        loss_metrics = self.optimise(samples, cond, uncond)
+        metrics.update(loss_metrics)
+        metrics.update(
+            reward=rewards.mean(),
+            reward_std=rewards.std(),
+            nfe=evaluations / len(trees),
+            trained_steps=len(samples),
+            leaves_per_prompt=len(rewards) / len(trees),
+            skipped_steps=self.skipped_steps,
+        )
+        if self.is_main and step % 10 == 0:
+            save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")
+        return metrics
+
+    def explore(
+        self, ids: list[int], prompts: list[str], cond: Conditioning, uncond: Conditioning, step: int
+    ) -> tuple[list[set[int]], TreePlan, dict[str, Any]]:
+        """Low-precision candidate pool; keep the best and worst leaves; return their skeletons."""
+        cfg = self.config
+        plan = plan_for(cfg.rollout, cfg.explore.steps, cfg.explore.branch_factor)
+        with explore_precision(
+            self.pipe.transformer, cfg.explore.precision, cfg.explore.quantize_activations
+        ):
+            trees, leaves, evaluations = rollout_trees(
+                self.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, step
+            )
+        leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
+        rewards, _ = self.score(leaves, leaf_prompts)
+        per_tree = rewards.view(len(trees), -1)
+        keep = cfg.explore.keep // 2
+        skeletons, self.explore_rewards = [], {}
+        for t, tree in enumerate(trees):
+            order = per_tree[t].argsort(descending=True).tolist()
+            chosen = sorted(set(order[:keep] + order[-keep:]))
+            leaf_nodes = tree.leaves()
+            keys = [tree.nodes[leaf_nodes[c]].state["key"] for c in chosen]
+            skeletons.append(ancestors(plan, keys))
+            self.explore_rewards.update(
+                {(t, k): float(per_tree[t, c]) for k, c in zip(keys, chosen, strict=True)}
+            )
+        full_plan = TreePlan(
+            cfg.rollout.steps,
+            plan_for(cfg.rollout).split_steps,
+            plan.branch_factor,
+            plan_for(cfg.rollout).sde_mask,
+        )
+        return (
+            skeletons,
+            full_plan,
+            {"explore_nfe": evaluations / len(trees), "explore_reward": rewards.mean()},
+        )
+
+    def rank_agreement(self, trees: list[RolloutTree], rewards: torch.Tensor) -> float:
+        """Kendall tau between exploration (low precision) and replay rewards of the kept leaves."""
+        low, high = [], []
+        offset = 0
+        for t, tree in enumerate(trees):
+            for leaf in tree.leaves():
+                low.append(self.explore_rewards[(t, tree.nodes[leaf].state["key"])])
+                high.append(float(rewards[offset]))
+                offset += 1
+        return kendall_tau(torch.tensor(low), torch.tensor(high))
+
+    def node_advantages(self, trees: list[RolloutTree], ids: list[int]) -> dict[tuple[int, int], float]:
+        """A(node) for every non-root node, keyed by (tree index, node id)."""
+        cfg = self.config
+        if cfg.train.advantage == "tree_depthwise":
+            for tree in trees:
+                tree.fuse_rewards(cfg.rollout.reward_fusion)
+            batch = batch_trees(trees)
+            values = tree_depthwise(
+                batch["rewards"], batch["tree_ids"], batch["depths"], clip=cfg.train.adv_clip
+            ).values
+            return {
+                (int(t), int(n)): float(a)
+                for t, n, a in zip(batch["tree_ids"], batch["node_ids"], values, strict=True)
+                if int(n) != 0
+            }
+        # flat estimators: one group per prompt, statistics over every process's leaves
+        leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
+        local = [(ids[t], trees[t].nodes[leaf].reward) for t, leaf in leaves]
+        gathered = gather_object([local])
+        rank = self.accelerator.process_index
+        offset = sum(len(part) for part in gathered[:rank])
+        everything = [item for part in gathered for item in part]
+        groups = torch.tensor(
+            [g * self.accelerator.num_processes + r for r, part in enumerate(gathered) for g, _ in part]
+        )  # a prompt drawn by two processes forms two groups
+        result = ADVANTAGES.get(cfg.train.advantage)(torch.tensor([r for _, r in everything]), groups)
+        values = (result.values * result.loss_mask).clamp(-cfg.train.adv_clip, cfg.train.adv_clip)
+        mine = values[offset : offset + len(leaves)]
+        advantages = {}
+        for (t, leaf), a in zip(leaves, mine.tolist(), strict=True):
+            for _, child in trees[t].path_to(leaf):  # every edge on a flat path is the leaf's own
+                advantages[(t, child)] = a
+        return advantages
+
+    def training_samples(
+        self, trees: list[RolloutTree], advantages: dict[tuple[int, int], float], step: int
+    ) -> list[tuple[int, StepRecord, float]]:
+        """(tree index, step record, advantage) for every stochastic step of every trained edge."""
+        cfg = self.config
+        samples = []
+        for t, tree in enumerate(trees):
+            edges = tree.edges()
+            if cfg.prune.width != "none":
+                node_adv = [advantages.get((t, n), 0.0) for n in range(len(tree))]  # indexed by node id
+                edges = width_prune(tree, node_adv, mode=cfg.prune.width)
+            for _, child in edges:
+                if tree.nodes[child].depth in cfg.prune.depths:
+                    continue
+                a = advantages.get((t, child), 0.0)
+                samples += [(t, record, a) for record in tree.nodes[child].state["records"]]
+        return samples
+
+    def optimise(
+        self, samples: list[tuple[int, StepRecord, float]], cond: Conditioning, uncond: Conditioning
+    ) -> dict[str, Any]:
+        """One optimizer step: PPO-clip over all samples, accumulated over micro-batches."""
+        cfg = self.config
+        if not samples:
+            return {"loss": 0.0}
+        sigmas = shifted_sigmas(cfg.rollout.steps, self.pipe.shift, device=self.pipe.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        total, stats, finite = len(samples), [], True
+        for start in range(0, total, cfg.train.micro_batch):
+            chunk = samples[start : start + cfg.train.micro_batch]
+            tree_index = [t for t, _, _ in chunk]
+            steps = torch.tensor([r.step for _, r, _ in chunk], device=self.pipe.device)
+            x = torch.stack([r.x for _, r, _ in chunk])
+            x_next = torch.stack([r.x_next for _, r, _ in chunk])
+            old = torch.tensor([r.old_logp for _, r, _ in chunk], device=self.pipe.device)
+            adv = torch.tensor([a for _, _, a in chunk], device=self.pipe.device)
+            sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
+            v = self.pipe.velocity(
+                x,
+                sigma,
+                cond[tree_index],
+                cfg.rollout.guidance_scale,
+                uncond[tree_index],
+                transformer=self.model,
+            )
+            is_split = torch.tensor([r.step in set(self.plan.split_steps) for _, r, _ in chunk])
+            out = self.recompute(v, x, sigma, sigma_next, x_next, is_split)
+            result = ppo_clip(
+                out.log_prob,
+                old,
+                adv,
+                clip_low=cfg.train.clip_low,
+                clip_high=cfg.train.clip_high,
+                adv_clip=cfg.train.adv_clip,
+            )
+            loss = result.loss
+            if self.reference is not None:
+                with torch.no_grad():
+                    v_ref = self.pipe.velocity(
+                        x,
+                        sigma,
+                        cond[tree_index],
+                        cfg.rollout.guidance_scale,
+                        uncond[tree_index],
+                        transformer=self.reference,
+                    )
+                    ref = self.recompute(v_ref, x, sigma, sigma_next, x_next, is_split)
+                kl = gaussian_kl_same_std(out.mean, ref.mean, out.std).mean()
+                loss = loss + cfg.train.kl_coef * kl
+            if not torch.isfinite(loss) or not torch.isfinite(out.log_prob).all():
+                finite = False
+                break
+            self.accelerator.backward(loss * len(chunk) / total)
+            stats.append((len(chunk), result.metrics, float(loss.detach())))
+        if not finite:
+            return self.skip_step("non-finite loss or log-prob")
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
+        if not torch.isfinite(torch.as_tensor(grad_norm)):
+            return self.skip_step("non-finite gradient")
+        self.optimizer.step()
+        self.nan_streak = 0
+        merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
+        return {"loss": sum(n * value for n, _, value in stats) / total, "grad_norm": grad_norm, **merged}
+
+    def recompute(
+        self,
+        v: torch.Tensor,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        sigma_next: torch.Tensor,
+        x_next: torch.Tensor,
+        is_split: torch.Tensor,
+    ) -> StepOutput:
+        """Log-prob of the stored steps under velocity `v`, with each step's rollout noise scale."""
+        cfg = self.config.rollout
+        scales = {False: cfg.noise_level, True: cfg.noise_level * cfg.split_noise_scale}
+        if scales[False] == scales[True] or is_split.all() or not is_split.any():
+            scale = scales[bool(is_split[0])]
+            return sde_step(cfg.sde, v, x, sigma, sigma_next, noise_scale=scale, prev_sample=x_next)
+        log_prob = torch.empty(len(x), device=x.device)
+        mean = torch.empty(x.shape, device=x.device)
+        std = torch.empty((len(x),) + (1,) * (x.dim() - 1), device=x.device)
+        for split in (False, True):
+            idx = (is_split == split).nonzero().squeeze(1).to(x.device)
+            part = sde_step(
+                cfg.sde,
+                v[idx],
+                x[idx],
+                sigma[idx],
+                sigma_next[idx],
+                noise_scale=scales[split],
+                prev_sample=x_next[idx],
+            )
+            log_prob[idx], mean[idx] = part.log_prob, part.mean
+            std[idx] = part.std.expand((len(idx),) + (1,) * (x.dim() - 1))
+        return StepOutput(x_next, log_prob, mean, std)
+
+    def skip_step(self, reason: str) -> dict[str, Any]:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nan_streak += 1
+        self.skipped_steps += 1
+        if self.nan_streak >= self.config.train.nan_patience:
+            raise TrainingStopped(
+                f"{reason} in {self.nan_streak} steps in a row (train.nan_patience = "
+                f"{self.config.train.nan_patience})"
+            )
+        return {"loss": math.nan, "skipped": 1}
+
+    def train(self) -> dict[str, Any]:
+        result = super().train()
+        if self.is_main:
+            self.save_result()
+        return result
+
+    def save_result(self) -> None:
+        """The trained model: a full pipeline (save_pretrained), or LoRA weights diffusers can load."""
+        out = self.run_dir / "final"
+        transformer = self.accelerator.unwrap_model(self.model)
+        if self.config.model.lora_rank > 0:
+            from diffusers import StableDiffusion3Pipeline
+            from peft.utils import get_peft_model_state_dict
+
+            StableDiffusion3Pipeline.save_lora_weights(
+                out, transformer_lora_layers=get_peft_model_state_dict(transformer), safe_serialization=True
+            )
+        else:
+            FlowPipeline(
+                transformer, self.pipe.text_encoder, self.pipe.tokenizer, self.pipe.vae, self.pipe.shift
+            ).save_pretrained(out)
