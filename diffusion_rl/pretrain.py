@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ class PretrainTrainConfig:
     batch_size: int = option(64, "images per step", min=1)
     prompt_dropout: float = option(0.1, "probability of training a sample unconditionally", min=0.0, max=1.0)
     ema_decay: float = option(0.999, "EMA decay of the saved weights", min=0.0, max=1.0)
+    sigma_sampling: Literal["uniform", "logit_normal"] = option(
+        "uniform", "training noise levels: uniform, or logit-normal as SD3 (rarely near sigma = 1)"
+    )
 
 
 @dataclass
@@ -96,7 +99,10 @@ class DiffusionPretrainTrainer(Trainer):
         device = self.accelerator.device
         x0 = self.pipe.encode_images(images.to(device))
         noise = torch.randn(x0.shape, generator=g).to(device)
-        sigma = torch.sigmoid(torch.randn(len(prompts), generator=g)).to(device)  # logit-normal, as SD3
+        if cfg.train.sigma_sampling == "uniform":
+            sigma = torch.rand(len(prompts), generator=g).to(device)
+        else:
+            sigma = torch.sigmoid(torch.randn(len(prompts), generator=g)).to(device)
         s = sigma.view(-1, 1, 1, 1)
         x_sigma = (1 - s) * x0 + s * noise
         cond = self.pipe.encode_prompts(prompts)
