@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from diffusion_rl.models import FlowPipeline
+from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer, plan_for, rollout_trees
 from mmrl.config import load_config
 from mmrl.precision import explore_precision
@@ -34,8 +36,11 @@ VARIANTS = {
 }
 
 
-def _trainer(overrides: list[str], run_dir: str) -> BranchGRPOTrainer:
-    config = load_config("diffusion/branchgrpo", [f"output_dir={run_dir}", "progress=false", *overrides])
+def _trainer(overrides: list[str], run_dir: str, model_dir: str) -> BranchGRPOTrainer:
+    config = load_config(
+        "diffusion/branchgrpo",
+        [f"output_dir={run_dir}", f"model.path={model_dir}", "progress=false", *overrides],
+    )
     trainer = BranchGRPOTrainer(config)
     trainer.seed_everything()
     trainer.setup()
@@ -65,8 +70,10 @@ def bench_diffusion(iterations: int = 3) -> list[dict[str, Any]]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        # speed does not depend on the weights: an untrained model of the tiny default's architecture
+        FlowPipeline.tiny(vocabulary()).save_pretrained(f"{tmp}/model")
         for name, (overrides, nfe_target, time_target) in VARIANTS.items():
-            trainer = _trainer(overrides, f"{tmp}/{len(rows)}")
+            trainer = _trainer(overrides, f"{tmp}/{len(rows)}", f"{tmp}/model")
             seconds, nfe = _time_steps(trainer, iterations)
             rows.append(
                 {
@@ -77,7 +84,7 @@ def bench_diffusion(iterations: int = 3) -> list[dict[str, Any]]:
                     "time_target": time_target,
                 }
             )
-        fp4 = _explore_timing(_trainer([], f"{tmp}/fp4"), iterations)
+        fp4 = _explore_timing(_trainer([], f"{tmp}/fp4", f"{tmp}/model"), iterations)
     base = rows[0]
     print(
         f"{'variant':<26}{'NFE/prompt':>11}{'NFE ratio':>11}  {'verdict':<18}"

@@ -25,6 +25,12 @@ from diffusers import SD3Transformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 PIPELINE_FILE = "mmrl_pipeline.json"
+# What the network outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
+# velocity v = (x - x0) / sigma. Pixel-space transformers with large patches need the latter: a
+# velocity carries the input noise, which a narrow token has to copy through every layer and
+# copies badly (speckled samples); a clean image does not.
+PREDICTIONS = ("velocity", "sample")
+MIN_SIGMA_DIVISOR = 0.05  # v = (x - x0) / max(sigma, this): bounded near sigma = 0
 SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>"]
 
 
@@ -91,12 +97,16 @@ class FlowPipeline:
         tokenizer: CLIPTokenizer,
         vae: torch.nn.Module | None = None,
         shift: float = 1.0,
+        prediction: str = "velocity",
     ) -> None:
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"unknown prediction {prediction!r}: choose one of {', '.join(PREDICTIONS)}")
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.vae = vae
         self.shift = shift
+        self.prediction = prediction
         self.text_encoder.requires_grad_(False)
         if self.vae is not None:
             self.vae.requires_grad_(False)
@@ -104,7 +114,9 @@ class FlowPipeline:
     # -- construction and storage ----------------------------------------------------------------
 
     @classmethod
-    def tiny(cls, words: Sequence[str], spec: TinyFlowSpec | None = None, seed: int = 0) -> FlowPipeline:
+    def tiny(
+        cls, words: Sequence[str], spec: TinyFlowSpec | None = None, seed: int = 0, prediction: str = "sample"
+    ) -> FlowPipeline:
         """A new, untrained tiny pixel-space model for prompts made of `words`."""
         spec = spec or TinyFlowSpec()
         torch.manual_seed(seed)
@@ -136,7 +148,7 @@ class FlowPipeline:
             pooled_projection_dim=spec.text_hidden,
             pos_embed_max_size=spec.image_size // spec.patch_size,
         )
-        return cls(transformer, text_encoder, tokenizer)
+        return cls(transformer, text_encoder, tokenizer, prediction=prediction)
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -146,7 +158,7 @@ class FlowPipeline:
         self.tokenizer.save_pretrained(directory / "tokenizer")
         if self.vae is not None:
             self.vae.save_pretrained(directory / "vae")
-        settings = {"shift": self.shift, "vae": self.vae is not None}
+        settings = {"shift": self.shift, "vae": self.vae is not None, "prediction": self.prediction}
         (directory / PIPELINE_FILE).write_text(json.dumps(settings, indent=1))
 
     @classmethod
@@ -166,6 +178,7 @@ class FlowPipeline:
                 CLIPTokenizer.from_pretrained(directory / "tokenizer"),
                 vae=vae,
                 shift=settings.get("shift", 1.0),
+                prediction=settings.get("prediction", "velocity"),
             )
         if (directory / "model_index.json").is_file():
             raise ValueError(

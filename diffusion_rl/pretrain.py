@@ -34,6 +34,7 @@ class PretrainModelConfig:
     head_dim: int = option(32, "width of one attention head", min=8)
     text_hidden: int = option(64, "text encoder width", min=8)
     text_layers: int = option(2, "text encoder layers", min=1)
+    prediction: Literal["sample", "velocity"] = option("sample", "network output: clean sample or velocity")
 
 
 @dataclass
@@ -70,8 +71,10 @@ class DiffusionPretrainTrainer(Trainer):
 
     def setup(self) -> None:
         cfg = self.config
-        spec = TinyFlowSpec(**dataclasses.asdict(cfg.model))
-        self.pipe = FlowPipeline.tiny(vocabulary(), spec, seed=cfg.seed).to(self.accelerator.device)
+        sizes = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "prediction"}
+        spec = TinyFlowSpec(**sizes)
+        self.pipe = FlowPipeline.tiny(vocabulary(), spec, seed=cfg.seed, prediction=cfg.model.prediction)
+        self.pipe.to(self.accelerator.device)
         self.ema = copy.deepcopy(self.pipe.transformer).requires_grad_(False)
         optimizer = torch.optim.AdamW(self.pipe.transformer.parameters(), lr=cfg.train.lr, weight_decay=0.0)
         self.model, self.optimizer = self.accelerator.prepare(self.pipe.transformer, optimizer)
