@@ -1,0 +1,146 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion_rl.alignment import (
+    CONFIG_FILE,
+    DEFAULT_DIR,
+    REBUILD_COMMAND,
+    WEIGHTS_FILE,
+    AlignmentScorer,
+    corrupt_spec,
+    evaluate_scorer,
+    load_scorer,
+    main,
+    save_scorer,
+    train_scorer,
+)
+from diffusion_rl.shapes import (
+    make_dataset,
+    parse_prompt,
+    prompt_text,
+    render_batch,
+    scene_for_spec,
+    spec_for,
+)
+from mmrl.registry import REWARDS
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    return load_scorer()
+
+
+@pytest.fixture(scope="module")
+def heldout_scenes():
+    """Scenes for held-out prompts, from a seed that neither training nor its evaluation used."""
+    _, _, specs = make_dataset(300, seed=424242, split="heldout")
+    rng = np.random.default_rng(424242)
+    return [scene_for_spec(spec, rng) for spec in specs]
+
+
+def test_shipped_scorer_is_small_and_records_how_it_was_made():
+    files = [DEFAULT_DIR / WEIGHTS_FILE, DEFAULT_DIR / CONFIG_FILE]
+    assert sum(path.stat().st_size for path in files) < 2_000_000
+    config = json.loads((DEFAULT_DIR / CONFIG_FILE).read_text())
+    assert config["rebuild_command"].startswith(REBUILD_COMMAND + " --steps ")
+    clean = config["heldout"]["clean"]
+    assert clean["score_own_prompt"] > 0.9 and clean["score_wrong_colour"] < 0.1
+    assert clean["count_accuracy_present"] > 0.9 and clean["position_accuracy"] > 0.9
+
+
+def test_own_prompts_score_high_and_wrong_ones_low(scorer, heldout_scenes):
+    images = render_batch(heldout_scenes)
+    own = [spec_for(scene) for scene in heldout_scenes]
+    own_scores = scorer.score(images, own)
+    assert own_scores.mean() > 0.9
+    assert ((own_scores >= 0) & (own_scores <= 1)).all()
+    rng = np.random.default_rng(0)
+    for attribute in ("colour", "shape", "count"):
+        wrong = [
+            corrupt_spec(spec, scene, attribute, rng) for spec, scene in zip(own, heldout_scenes, strict=True)
+        ]
+        rows = [row for row, spec in enumerate(wrong) if spec is not None]
+        assert scorer.score(images[rows], [wrong[row] for row in rows]).mean() < 0.3, attribute
+
+
+def test_wrong_position_keeps_the_credit_for_the_object(scorer):
+    rng = np.random.default_rng(1)
+    scenes = [scene_for_spec(parse_prompt("a red circle on the left"), rng) for _ in range(16)]
+    images = render_batch(scenes)
+    assert scorer.score(images, ["a red circle on the left"] * 16).mean() > 0.9
+    assert 0.4 < scorer.score(images, ["a red circle on the right"] * 16).mean() < 0.6  # 1 of 2 checks
+
+
+def test_scores_are_batched_sized_and_deterministic(scorer, heldout_scenes):
+    images = render_batch(heldout_scenes[:8])
+    specs = [spec_for(scene) for scene in heldout_scenes[:8]]
+    together = scorer.score(images, specs)
+    one_by_one = torch.cat([scorer.score(images[i : i + 1], specs[i : i + 1]) for i in range(8)])
+    assert together.shape == (8,) and together.dtype == torch.float32
+    assert torch.allclose(together, one_by_one, atol=1e-5)
+    assert torch.equal(together, scorer.score(images, specs))
+    assert torch.equal(together, scorer.score(images, [prompt_text(spec) for spec in specs]))
+    larger = F.interpolate(images, size=(64, 64), mode="nearest")
+    assert torch.allclose(scorer.score(larger, specs), together, atol=0.05)
+    assert torch.allclose(scorer.score(list(larger), specs), scorer.score(larger, specs))
+
+
+def test_blank_and_noise_images_score_low(scorer):
+    prompts = ["two red circles", "a blue square on the left", "a green triangle and a white cross"]
+    blank = torch.full((3, 3, 32, 32), 0.12)
+    noise = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert scorer.score(blank, prompts).max() < 0.1
+    assert scorer.score(noise, prompts).max() < 0.3
+
+
+def test_reward_registry_entry(heldout_scenes):
+    reward = REWARDS.get("geneval_mini")()
+    images = render_batch(heldout_scenes[:4])
+    prompts = [prompt_text(spec_for(scene)) for scene in heldout_scenes[:4]]
+    scores = reward(images, prompts=prompts, answers=["ignored"] * 4)
+    assert scores.shape == (4,) and scores.dtype == torch.float32 and scores.min() > 0.5
+    assert torch.allclose(reward(list(images), prompts=prompts), scores)
+    with pytest.raises(ValueError, match="'dog'"):
+        reward(images[:1], prompts=["a red dog"])
+
+
+def test_missing_weights_name_the_rebuild_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m diffusion_rl.alignment"):
+        load_scorer(tmp_path)
+
+
+def test_save_load_gives_identical_outputs(tmp_path, heldout_scenes):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        original = AlignmentScorer()
+    original.train()
+    original(torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)))  # moves batch-norm stats
+    original.eval()
+    save_scorer(original, tmp_path, {"note": "test"})
+    images = render_batch(heldout_scenes[:8])
+    for got, expected in zip(load_scorer(tmp_path).predict(images), original.predict(images), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_train_scorer_writes_a_loadable_scorer(tmp_path):
+    info = train_scorer(steps=3, batch_size=8, seed=0, out_dir=tmp_path, eval_scenes=16)
+    config = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert config["heldout"] == info["heldout"]
+    assert config["rebuild_command"].startswith(
+        f"python -m diffusion_rl.alignment --out {tmp_path} --steps 3 "
+    )
+    evaluated_again = evaluate_scorer(load_scorer(tmp_path), 16, seed=info["heldout"]["seed"])
+    assert evaluated_again == info["heldout"]  # the loaded scorer gives the trained one's outputs
+    again = train_scorer(steps=3, batch_size=8, seed=0, out_dir=tmp_path / "again", eval_scenes=16)
+    assert again["heldout"] == info["heldout"]
+
+
+def test_command_line_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--steps" in capsys.readouterr().out
