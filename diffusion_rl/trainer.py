@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class ModelConfig:
     path: str = option(
-        "diffusion_rl/assets/tiny_flow", "local model directory (FlowPipeline.save_pretrained)"
+        "runs/pretrain/diffusion/pipeline", "local model directory (FlowPipeline.save_pretrained)"
     )
     lora_rank: int = option(0, "LoRA rank on the transformer's attention; 0 trains every weight", min=0)
     lora_alpha: float = option(0.0, "LoRA alpha (0: equal to the rank)", min=0.0)
@@ -303,7 +303,7 @@ def load_prompts(prompt_file: str | None) -> list[str]:
 
 
 def resolve_model_path(path: str) -> Path:
-    """A model directory as given, or relative to the repository (for the shipped tiny model)."""
+    """A model directory as given (relative to the working directory), or relative to the repository."""
     for candidate in (Path(path), REPO_ROOT / path):
         if candidate.is_dir():
             return candidate
