@@ -22,10 +22,11 @@ reward is smooth rather than 0/1:
 
 Dense per-cell targets make this train in a few minutes on a CPU, where a head that reads counts
 off pooled features needed far longer. The scorer learns from freshly drawn scenes (prompt scenes
-and cluttered scenes with distractors) under colour jitter, blur and noise, so that it also reads
-a diffusion model's imperfect samples. Weights ship in `diffusion_rl/assets/alignment_scorer/`
-(safetensors + config.json with the measured held-out accuracy); rebuild them with
-``python -m diffusion_rl.alignment``.
+and cluttered scenes with distractors) under colour jitter, blur, halved resolution and pixel
+noise, so that it also reads a diffusion model's imperfect samples, and from pure-noise images
+that hold no object, so that noise earns no reward. Weights ship in
+`diffusion_rl/assets/alignment_scorer/` (safetensors + config.json with the measured held-out
+accuracy); rebuild them with ``python -m diffusion_rl.alignment``.
 """
 
 from __future__ import annotations

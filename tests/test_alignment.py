@@ -67,6 +67,13 @@ def test_own_prompts_score_high_and_wrong_ones_low(scorer, heldout_scenes):
         assert scorer.score(images[rows], [wrong[row] for row in rows]).mean() < 0.3, attribute
 
 
+def test_blurred_images_still_score_high(scorer, heldout_scenes):
+    images = render_batch(heldout_scenes)
+    half_resolution = F.interpolate(images, size=16, mode="bilinear", antialias=True)
+    blurred = F.interpolate(half_resolution, size=32, mode="bilinear")
+    assert scorer.score(blurred, [spec_for(scene) for scene in heldout_scenes]).mean() > 0.9
+
+
 def test_wrong_position_keeps_the_credit_for_the_object(scorer):
     rng = np.random.default_rng(1)
     scenes = [scene_for_spec(parse_prompt("a red circle on the left"), rng) for _ in range(16)]
