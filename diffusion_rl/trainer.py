@@ -30,14 +30,13 @@ from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.sampling import evaluate_alignment, save_grid
 from diffusion_rl.sde import StepOutput, sde_step, sde_step_mask, shifted_sigmas
 from diffusion_rl.shapes import train_prompts
-from mmrl.advantages import tree_depthwise
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, REWARDS, TRAINERS, UnknownNameError
 from mmrl.trainer import Trainer, TrainingStopped
-from mmrl.tree import RolloutTree, batch_trees, width_prune
+from mmrl.tree import RolloutTree, depthwise_node_advantages, width_prune
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -485,17 +484,7 @@ class BranchGRPOTrainer(Trainer):
         """A(node) for every non-root node, keyed by (tree index, node id)."""
         cfg = self.config
         if cfg.train.advantage == "tree_depthwise":
-            for tree in trees:
-                tree.fuse_rewards(cfg.rollout.reward_fusion)
-            batch = batch_trees(trees)
-            values = tree_depthwise(
-                batch["rewards"], batch["tree_ids"], batch["depths"], clip=cfg.train.adv_clip
-            ).values
-            return {
-                (int(t), int(n)): float(a)
-                for t, n, a in zip(batch["tree_ids"], batch["node_ids"], values, strict=True)
-                if int(n) != 0
-            }
+            return depthwise_node_advantages(trees, cfg.rollout.reward_fusion, cfg.train.adv_clip)
         # flat estimators: one group per prompt, statistics over every process's leaves
         leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
         local = [(ids[t], trees[t].nodes[leaf].reward) for t, leaf in leaves]

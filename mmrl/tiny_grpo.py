@@ -26,13 +26,12 @@ import torch
 from accelerate.utils import gather_object
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from mmrl.advantages import tree_depthwise
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, SAMPLERS, TRAINERS
 from mmrl.trainer import Trainer
-from mmrl.tree import RolloutTree, batch_trees
+from mmrl.tree import RolloutTree, depthwise_node_advantages
 
 DIGITS = 10
 BOS, SEP = 10, 11
@@ -389,17 +388,7 @@ class TinyGRPOTrainer(Trainer):
         """A(node) for every non-root node, keyed by (tree index, node id)."""
         cfg = self.config
         if self.tree_rollouts:
-            for tree in trees:
-                tree.fuse_rewards("mean")
-            batch = batch_trees(trees)
-            values = tree_depthwise(
-                batch["rewards"], batch["tree_ids"], batch["depths"], clip=cfg.train.adv_clip
-            ).values
-            return {
-                (int(t), int(n)): float(a)
-                for t, n, a in zip(batch["tree_ids"], batch["node_ids"], values, strict=True)
-                if int(n) != 0
-            }
+            return depthwise_node_advantages(trees, "mean", cfg.train.adv_clip)
         leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
         rewards = torch.tensor([trees[t].nodes[leaf].reward for t, leaf in leaves])
         groups = torch.tensor([t for t, _ in leaves])

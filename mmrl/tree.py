@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from mmrl.advantages import tree_depthwise
+
 FUSION_MODES = ("mean", "logprob_weighted")
 WIDTH_PRUNE_MODES = ("top_half_per_branch", "best_worst_quarter")
 
@@ -206,3 +208,20 @@ def width_prune(
         quarter = max(1, len(ranked) // 4)
         kept_leaves.update(ranked[:quarter] + ranked[-quarter:])
     return [edge for edge in tree.edges() if not tree.nodes[edge.child].is_leaf or edge.child in kept_leaves]
+
+
+def depthwise_node_advantages(
+    trees: Sequence[RolloutTree], fusion: str = "mean", clip: float = 5.0
+) -> dict[tuple[int, int], float]:
+    """BranchGRPO credit for a batch of trees: fuse leaf rewards up each tree, then normalise within
+    (tree, depth). Returns A(node) for every non-root node, keyed by (tree index, node id); the edge
+    parent -> node is trained with A(node)."""
+    for tree in trees:
+        tree.fuse_rewards(fusion)
+    batch = batch_trees(trees)
+    values = tree_depthwise(batch["rewards"], batch["tree_ids"], batch["depths"], clip=clip).values
+    return {
+        (int(t), int(n)): float(a)
+        for t, n, a in zip(batch["tree_ids"], batch["node_ids"], values, strict=True)
+        if int(n) != 0
+    }
