@@ -124,7 +124,12 @@ class DiffusionPretrainTrainer(Trainer):
 
     def ema_pipeline(self) -> FlowPipeline:
         return FlowPipeline(
-            self.ema, self.pipe.text_encoder, self.pipe.tokenizer, self.pipe.vae, self.pipe.shift
+            self.ema,
+            self.pipe.text_encoder,
+            self.pipe.tokenizer,
+            self.pipe.vae,
+            self.pipe.shift,
+            self.pipe.prediction,
         )
 
     def evaluate(self) -> dict[str, float]:

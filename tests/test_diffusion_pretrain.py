@@ -35,6 +35,7 @@ def test_pretrain_saves_a_loadable_ema_pipeline(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
     pipe = FlowPipeline.from_pretrained(tmp_path / "pipeline")
     assert pipe.latent_shape() == (3, 16, 16)
+    assert pipe.prediction == "sample"  # the parameterisation it was trained with travels with it
     # the saved weights are the EMA, which moved off the initial weights but not all the way
     from safetensors.torch import load_file
 
