@@ -115,7 +115,11 @@ class FlowPipeline:
 
     @classmethod
     def tiny(
-        cls, words: Sequence[str], spec: TinyFlowSpec | None = None, seed: int = 0, prediction: str = "sample"
+        cls,
+        words: Sequence[str],
+        spec: TinyFlowSpec | None = None,
+        seed: int = 0,
+        prediction: str = "velocity",
     ) -> FlowPipeline:
         """A new, untrained tiny pixel-space model for prompts made of `words`."""
         spec = spec or TinyFlowSpec()
@@ -251,25 +255,27 @@ class FlowPipeline:
         guidance against `uncond` (the empty prompt). `transformer` overrides the module called
         (e.g. its DDP wrapper during training)."""
         model = transformer or self.transformer
-        timestep = sigma.to(x.dtype) * 1000.0
         if guidance_scale == 1.0:
-            return model(
-                hidden_states=x,
-                timestep=timestep,
-                encoder_hidden_states=cond.embeds,
-                pooled_projections=cond.pooled,
-            ).sample
+            return self._velocity(model, x, sigma, cond)
         if uncond is None:
             raise ValueError("guidance_scale != 1 needs the unconditional embedding (uncond)")
         both = Conditioning.cat([uncond, cond])
-        out = model(
-            hidden_states=torch.cat([x, x]),
-            timestep=torch.cat([timestep, timestep]),
-            encoder_hidden_states=both.embeds,
-            pooled_projections=both.pooled,
-        ).sample
-        v_uncond, v_cond = out.chunk(2)
+        v_uncond, v_cond = self._velocity(model, torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
         return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def _velocity(
+        self, model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        out = model(
+            hidden_states=x,
+            timestep=sigma.to(x.dtype) * 1000.0,
+            encoder_hidden_states=cond.embeds,
+            pooled_projections=cond.pooled,
+        ).sample
+        if self.prediction == "velocity":
+            return out
+        divisor = sigma.clamp(min=MIN_SIGMA_DIVISOR).view(-1, *([1] * (x.dim() - 1))).to(out.dtype)
+        return (x - out) / divisor
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ class PretrainModelConfig:
     head_dim: int = option(32, "width of one attention head", min=8)
     text_hidden: int = option(64, "text encoder width", min=8)
     text_layers: int = option(2, "text encoder layers", min=1)
-    prediction: Literal["sample", "velocity"] = option("sample", "network output: clean sample or velocity")
+    prediction: Literal["velocity", "sample"] = option("velocity", "network output: velocity or clean sample")
 
 
 @dataclass

@@ -35,7 +35,7 @@ def test_pretrain_saves_a_loadable_ema_pipeline(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
     pipe = FlowPipeline.from_pretrained(tmp_path / "pipeline")
     assert pipe.latent_shape() == (3, 16, 16)
-    assert pipe.prediction == "sample"  # the parameterisation it was trained with travels with it
+    assert pipe.prediction == "velocity"  # the parameterisation it was trained with travels with it
     # the saved weights are the EMA, which moved off the initial weights but not all the way
     from safetensors.torch import load_file
 
@@ -46,3 +46,23 @@ def test_pretrain_saves_a_loadable_ema_pipeline(tmp_path, monkeypatch):
     cond = pipe.encode_prompts(["a red circle"])
     v = pipe.velocity(torch.zeros(1, 3, 16, 16), torch.tensor([0.5]), cond)
     assert v.shape == (1, 3, 16, 16) and torch.isfinite(v).all()
+
+
+def test_sample_prediction_becomes_a_velocity():
+    from diffusion_rl.models import TinyFlowSpec
+    from diffusion_rl.shapes import vocabulary
+
+    spec = TinyFlowSpec(image_size=16, layers=1, head_dim=8, text_hidden=16, text_layers=1)
+    pipe = FlowPipeline.tiny(vocabulary(), spec, prediction="sample")
+    x, sigma = torch.randn(2, 3, 16, 16), torch.tensor([0.5, 0.01])
+    cond = pipe.encode_prompts(["a red circle", "two blue squares"])
+    with torch.no_grad():
+        x0 = pipe.transformer(
+            hidden_states=x,
+            timestep=sigma * 1000,
+            encoder_hidden_states=cond.embeds,
+            pooled_projections=cond.pooled,
+        ).sample
+        v = pipe.velocity(x, sigma, cond)
+    torch.testing.assert_close(v[0], (x[0] - x0[0]) / 0.5)
+    torch.testing.assert_close(v[1], (x[1] - x0[1]) / 0.05)  # the divisor is floored near sigma = 0
