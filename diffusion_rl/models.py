@@ -26,9 +26,9 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokeni
 
 PIPELINE_FILE = "mmrl_pipeline.json"
 # What the network outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
-# velocity v = (x - x0) / sigma. Pixel-space transformers with large patches need the latter: a
-# velocity carries the input noise, which a narrow token has to copy through every layer and
-# copies badly (speckled samples); a clean image does not.
+# velocity v = (x - x0) / sigma. The second is for pixel-space transformers with large patches: a
+# velocity carries the input noise, which a narrow token must copy through every layer (the tiny
+# velocity model's samples are speckled); a clean image does not. Not yet measured here.
 PREDICTIONS = ("velocity", "sample")
 MIN_SIGMA_DIVISOR = 0.05  # v = (x - x0) / max(sigma, this): bounded near sigma = 0
 SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>"]
