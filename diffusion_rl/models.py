@@ -37,25 +37,35 @@ SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>"]
 def build_clip_tokenizer(words: Sequence[str], max_length: int = 16) -> CLIPTokenizer:
     """A CLIP BPE tokenizer whose vocabulary holds every word in `words` as one token.
 
-    The merges are learned with the `tokenizers` BPE trainer on the word list itself, so each
-    word composes into a single ``word</w>`` token; any other lowercase word falls back to
-    characters. Built locally: nothing is downloaded.
+    The merges are learned here on the word list itself (most frequent adjacent pair first, ties
+    broken alphabetically) until each word is a single ``word</w>`` token, so the same words give
+    the same ids in every process; the `tokenizers` trainer breaks ties by hash order, which
+    differs between processes. Any other lowercase word falls back to characters. Nothing is
+    downloaded.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token=SPECIAL_TOKENS[1]))
-    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=100_000,
-        special_tokens=SPECIAL_TOKENS,
-        end_of_word_suffix="</w>",
-        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789"),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(sorted(set(words)), trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    return CLIPTokenizer(vocab=model["vocab"], merges=merges, model_max_length=max_length)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    vocab = {
+        token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet, *(c + "</w>" for c in alphabet)])
+    }
+    pieces = [[*word[:-1], word[-1] + "</w>"] for word in sorted(set(words)) if word]
+    merges = []
+    while True:
+        counts: dict[tuple[str, str], int] = {}
+        for symbols in pieces:
+            for pair in zip(symbols, symbols[1:], strict=False):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        vocab.setdefault(best[0] + best[1], len(vocab))
+        for symbols in pieces:
+            i = 0
+            while i < len(symbols) - 1:
+                if (symbols[i], symbols[i + 1]) == best:
+                    symbols[i : i + 2] = [best[0] + best[1]]
+                i += 1
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
 @dataclass

@@ -66,3 +66,25 @@ def test_sample_prediction_becomes_a_velocity():
         v = pipe.velocity(x, sigma, cond)
     torch.testing.assert_close(v[0], (x[0] - x0[0]) / 0.5)
     torch.testing.assert_close(v[1], (x[1] - x0[1]) / 0.05)  # the divisor is floored near sigma = 0
+
+
+def test_tokenizer_is_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    code = (
+        "from diffusion_rl.models import build_clip_tokenizer; from diffusion_rl.shapes import vocabulary; "
+        "t = build_clip_tokenizer(vocabulary()); "
+        "print(len(t), t('two red circles and a green cross')['input_ids'])"
+    )
+    runs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(3)
+    }
+    assert len(runs) == 1
+    from diffusion_rl.models import build_clip_tokenizer
+    from diffusion_rl.shapes import vocabulary
+
+    tokenizer = build_clip_tokenizer(vocabulary())
+    for word in vocabulary():  # every word of the grammar is one token
+        assert tokenizer.convert_ids_to_tokens(tokenizer(word)["input_ids"])[1:-1] == [word + "</w>"]
