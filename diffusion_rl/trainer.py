@@ -532,25 +532,12 @@ class BranchGRPOTrainer(Trainer):
         sigmas = shifted_sigmas(cfg.rollout.steps, self.pipe.shift, device=self.pipe.device)
         self.optimizer.zero_grad(set_to_none=True)
         total, stats, finite = len(samples), [], True
+        split_steps = set(self.plan.split_steps)
         for start in range(0, total, cfg.train.micro_batch):
             chunk = samples[start : start + cfg.train.micro_batch]
-            tree_index = [t for t, _, _ in chunk]
-            steps = torch.tensor([r.step for _, r, _ in chunk], device=self.pipe.device)
-            x = torch.stack([r.x for _, r, _ in chunk])
-            x_next = torch.stack([r.x_next for _, r, _ in chunk])
             old = torch.tensor([r.old_logp for _, r, _ in chunk], device=self.pipe.device)
             adv = torch.tensor([a for _, _, a in chunk], device=self.pipe.device)
-            sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
-            v = self.pipe.velocity(
-                x,
-                sigma,
-                cond[tree_index],
-                cfg.rollout.guidance_scale,
-                uncond[tree_index],
-                transformer=self.model,
-            )
-            is_split = torch.tensor([r.step in set(self.plan.split_steps) for _, r, _ in chunk])
-            out = self.recompute(v, x, sigma, sigma_next, x_next, is_split)
+            out = self.chunk_log_probs(self.model, chunk, cond, uncond, sigmas, split_steps)
             result = ppo_clip(
                 out.log_prob,
                 old,
@@ -562,15 +549,7 @@ class BranchGRPOTrainer(Trainer):
             loss = result.loss
             if self.reference is not None:
                 with torch.no_grad():
-                    v_ref = self.pipe.velocity(
-                        x,
-                        sigma,
-                        cond[tree_index],
-                        cfg.rollout.guidance_scale,
-                        uncond[tree_index],
-                        transformer=self.reference,
-                    )
-                    ref = self.recompute(v_ref, x, sigma, sigma_next, x_next, is_split)
+                    ref = self.chunk_log_probs(self.reference, chunk, cond, uncond, sigmas, split_steps)
                 kl = gaussian_kl_same_std(out.mean, ref.mean, out.std).mean()
                 loss = loss + cfg.train.kl_coef * kl
             if not torch.isfinite(loss) or not torch.isfinite(out.log_prob).all():
@@ -587,6 +566,32 @@ class BranchGRPOTrainer(Trainer):
         self.nan_streak = 0
         merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
         return {"loss": sum(n * value for n, _, value in stats) / total, "grad_norm": grad_norm, **merged}
+
+    def chunk_log_probs(
+        self,
+        transformer: torch.nn.Module,
+        chunk: list[tuple[int, StepRecord, float]],
+        cond: Conditioning,
+        uncond: Conditioning,
+        sigmas: torch.Tensor,
+        split_steps: set[int],
+    ) -> StepOutput:
+        """Log-probs of a micro-batch of stored steps under `transformer` (the policy or the reference)."""
+        tree_index = [t for t, _, _ in chunk]
+        steps = torch.tensor([r.step for _, r, _ in chunk], device=self.pipe.device)
+        x = torch.stack([r.x for _, r, _ in chunk])
+        x_next = torch.stack([r.x_next for _, r, _ in chunk])
+        sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
+        v = self.pipe.velocity(
+            x,
+            sigma,
+            cond[tree_index],
+            self.config.rollout.guidance_scale,
+            uncond[tree_index],
+            transformer=transformer,
+        )
+        is_split = torch.tensor([r.step in split_steps for _, r, _ in chunk])
+        return self.recompute(v, x, sigma, sigma_next, x_next, is_split)
 
     def recompute(
         self,
