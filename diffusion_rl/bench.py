@@ -129,7 +129,7 @@ def _explore_timing(trainer: BranchGRPOTrainer, iterations: int) -> dict[str, An
 
     run()
     full = statistics.median(run() for _ in range(iterations))
-    with explore_precision(trainer.pipe.transformer, cfg.explore.precision):
+    with explore_precision(trainer.pipe.denoiser, cfg.explore.precision):
         run()
         low = statistics.median(run() for _ in range(iterations))
     return {"full": full, "low": low, "precision": cfg.explore.precision, "device": str(trainer.pipe.device)}

@@ -1,36 +1,50 @@
-"""Flow-matching text-to-image models behind one small interface the trainers use.
+"""Text-to-image diffusion models behind one small interface the trainers use, in flow coordinates.
 
-`FlowPipeline` holds a diffusers flow transformer (SD3Transformer2DModel), a CLIP text encoder with
-projection and its tokenizer, and optionally a VAE. The tiny default works in pixel space (no
-VAE): a 32x32 RGB image is the "latent". The trainer only needs four things from a model:
-`encode_prompts`, `velocity` (with classifier-free guidance), `decode` and the trainable module,
-so a real SD3-style pipeline loaded from a local diffusers directory plugs in the same way
-(`from_diffusers`).
+`FlowPipeline` holds a diffusers denoiser, the text encoding and optionally a VAE. Every model is
+driven as a flow-matching model: x_sigma = (1 - sigma) * x0 + sigma * noise, v = noise - x0, with
+sigma from 1 (noise) to 0 (data). Two families plug in:
 
-Saved layout (``save_pretrained``): ``transformer/``, ``text_encoder/``, ``tokenizer/``,
-optionally ``vae/``, and ``mmrl_pipeline.json`` with the settings below; every component is
-written by its own ``save_pretrained`` (safetensors).
+- flow transformers (SD3Transformer2DModel; FlowMatchEulerDiscreteScheduler), which predict the
+  velocity (or, for the tiny pixel-space model, optionally the clean sample);
+- DDPM/DDIM UNets (UNet2DConditionModel, SD1.x style; any scheduler with `alphas_cumprod`), which
+  predict noise (epsilon) or v. They are run through the exact change of variables of
+  `diffusion_rl.sde.flow_to_vp`, under which DDIM (eta = 0) is the Euler step, so the trainers,
+  the SDE steps and the tree rollouts need no second code path. The sigma schedule comes from the
+  scheduler's own timesteps and ends at sigma = 0 (a clean x0, as DDIM with set_alpha_to_one).
+
+The trainer needs `encode_prompts`, `velocity` (with classifier-free guidance), `sigmas`, `decode`
+and the trainable `denoiser`. Two storage layouts are read by `from_pretrained`: the project's own
+(the tiny pixel-space default: ``transformer/``, ``text_encoder/``, ``tokenizer/``, optionally
+``vae/``, and ``mmrl_pipeline.json``) and any local diffusers pipeline directory
+(``model_index.json``: StableDiffusion3Pipeline or StableDiffusionPipeline), whose own
+``encode_prompt`` builds the conditioning. Everything is stored as safetensors.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from diffusers import SD3Transformer2DModel
+from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
+from diffusion_rl.sde import flow_to_vp, shifted_sigmas
+
 PIPELINE_FILE = "mmrl_pipeline.json"
-# What the network outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
-# velocity v = (x - x0) / sigma. The second is for pixel-space transformers with large patches: a
-# velocity carries the input noise, which a narrow token must copy through every layer (the tiny
-# velocity model's samples are speckled); a clean image does not. Not yet measured here.
-PREDICTIONS = ("velocity", "sample")
+# What a flow model outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
+# velocity v = (x - x0) / sigma (for pixel-space transformers with large patches, where a velocity
+# carries the input noise that a narrow token must copy through every layer).
+FLOW_PREDICTIONS = ("velocity", "sample")
+# What a DDPM/DDIM UNet outputs (its scheduler's prediction_type).
+VP_PREDICTIONS = ("epsilon", "v_prediction", "sample")
 MIN_SIGMA_DIVISOR = 0.05  # v = (x - x0) / max(sigma, this): bounded near sigma = 0
+MIN_SQRT_ALPHA_BAR = 1e-4
 SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>"]
 
 
@@ -87,39 +101,55 @@ class Conditioning:
     """Text conditioning: per-token embeddings and one pooled vector per prompt."""
 
     embeds: torch.Tensor
-    pooled: torch.Tensor
+    pooled: torch.Tensor | None  # None for UNets, which take per-token embeddings only
 
     def __getitem__(self, index: Any) -> Conditioning:
-        return Conditioning(self.embeds[index], self.pooled[index])
+        return Conditioning(self.embeds[index], None if self.pooled is None else self.pooled[index])
 
     @staticmethod
     def cat(parts: Sequence[Conditioning]) -> Conditioning:
-        return Conditioning(torch.cat([p.embeds for p in parts]), torch.cat([p.pooled for p in parts]))
+        pooled = None if parts[0].pooled is None else torch.cat([p.pooled for p in parts])
+        return Conditioning(torch.cat([p.embeds for p in parts]), pooled)
 
 
 class FlowPipeline:
-    """A flow-matching text-to-image model: x_sigma = (1 - sigma) * x0 + sigma * noise, v = noise - x0."""
+    """A text-to-image model driven in flow coordinates (see the module docstring)."""
 
     def __init__(
         self,
-        transformer: SD3Transformer2DModel,
-        text_encoder: CLIPTextModelWithProjection,
-        tokenizer: CLIPTokenizer,
+        denoiser: SD3Transformer2DModel | UNet2DConditionModel,
+        text_encoder: CLIPTextModelWithProjection | None = None,
+        tokenizer: CLIPTokenizer | None = None,
         vae: torch.nn.Module | None = None,
         shift: float = 1.0,
         prediction: str = "velocity",
+        scheduler: Any = None,
+        diffusers_pipeline: Any = None,
     ) -> None:
-        if prediction not in PREDICTIONS:
-            raise ValueError(f"unknown prediction {prediction!r}: choose one of {', '.join(PREDICTIONS)}")
-        self.transformer = transformer
+        """`scheduler` (with `alphas_cumprod`) makes this a DDPM/DDIM model; `diffusers_pipeline`
+        (the loaded diffusers pipeline) encodes prompts and saves results in its own layout."""
+        self.is_vp = scheduler is not None and hasattr(scheduler, "alphas_cumprod")
+        allowed = VP_PREDICTIONS if self.is_vp else FLOW_PREDICTIONS
+        if prediction not in allowed:
+            raise ValueError(f"unknown prediction {prediction!r}: choose one of {', '.join(allowed)}")
+        if diffusers_pipeline is None and (text_encoder is None or tokenizer is None):
+            raise ValueError("give a text encoder and tokenizer, or the diffusers pipeline that holds them")
+        self.denoiser = denoiser
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.vae = vae
         self.shift = shift
         self.prediction = prediction
-        self.text_encoder.requires_grad_(False)
-        if self.vae is not None:
-            self.vae.requires_grad_(False)
+        self.scheduler = scheduler
+        self.diffusers_pipeline = diffusers_pipeline
+        for frozen in (text_encoder, vae):
+            if frozen is not None:
+                frozen.requires_grad_(False)
+        if self.is_vp:
+            alphas_cumprod = scheduler.alphas_cumprod.double()
+            # log-SNR of every training timestep, increasing (t descending), to map sigma -> timestep
+            self._log_snr = torch.log(alphas_cumprod / (1 - alphas_cumprod)).flip(0).numpy()
+            self._timesteps = np.arange(len(alphas_cumprod), dtype=np.float64)[::-1].copy()
 
     # -- construction and storage ----------------------------------------------------------------
 
@@ -164,10 +194,22 @@ class FlowPipeline:
         )
         return cls(transformer, text_encoder, tokenizer, prediction=prediction)
 
+    def with_denoiser(self, denoiser: torch.nn.Module) -> FlowPipeline:
+        """The same pipeline around another denoiser (an EMA copy, an unwrapped training module)."""
+        other = copy.copy(self)
+        other.denoiser = denoiser
+        return other
+
     def save_pretrained(self, directory: str | Path) -> None:
+        """Full weights: the diffusers layout for a loaded diffusers pipeline, else the project's own."""
         directory = Path(directory)
+        if self.diffusers_pipeline is not None:
+            pipeline = copy.copy(self.diffusers_pipeline)
+            setattr(pipeline, "unet" if self.is_unet else "transformer", self.denoiser)
+            pipeline.save_pretrained(directory, safe_serialization=True)
+            return
         directory.mkdir(parents=True, exist_ok=True)
-        self.transformer.save_pretrained(directory / "transformer")
+        self.denoiser.save_pretrained(directory / "transformer")
         self.text_encoder.save_pretrained(directory / "text_encoder")
         self.tokenizer.save_pretrained(directory / "tokenizer")
         if self.vae is not None:
@@ -175,9 +217,24 @@ class FlowPipeline:
         settings = {"shift": self.shift, "vae": self.vae is not None, "prediction": self.prediction}
         (directory / PIPELINE_FILE).write_text(json.dumps(settings, indent=1))
 
+    def save_lora_weights(self, directory: str | Path, lora_layers: dict[str, torch.Tensor]) -> None:
+        """LoRA weights that plain diffusers loads with `pipe.load_lora_weights(directory)`."""
+        if self.is_unet:
+            from diffusers import StableDiffusionPipeline
+
+            StableDiffusionPipeline.save_lora_weights(
+                directory, unet_lora_layers=lora_layers, safe_serialization=True
+            )
+        else:
+            from diffusers import StableDiffusion3Pipeline
+
+            StableDiffusion3Pipeline.save_lora_weights(
+                directory, transformer_lora_layers=lora_layers, safe_serialization=True
+            )
+
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> FlowPipeline:
-        """Load a directory written by `save_pretrained`, or a local SD3 diffusers pipeline."""
+        """Load a directory written by `save_pretrained`, or a local diffusers pipeline directory."""
         directory = Path(directory)
         if (directory / PIPELINE_FILE).is_file():
             settings = json.loads((directory / PIPELINE_FILE).read_text())
@@ -195,24 +252,72 @@ class FlowPipeline:
                 prediction=settings.get("prediction", "velocity"),
             )
         if (directory / "model_index.json").is_file():
-            raise ValueError(
-                f"{str(directory)!r} is a diffusers pipeline directory (model_index.json); FlowPipeline "
-                f"reads only its own layout ({PIPELINE_FILE}) so far"
-            )
+            return cls.from_diffusers(directory)
         raise FileNotFoundError(
-            f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE}): give a local directory "
-            "written by save_pretrained, e.g. by `mmrl pretrain diffusion`"
+            f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE} or model_index.json): give "
+            "a local directory written by save_pretrained, e.g. by `mmrl pretrain diffusion`, or a "
+            "diffusers pipeline directory"
+        )
+
+    @classmethod
+    def from_diffusers(cls, directory: str | Path) -> FlowPipeline:
+        """A local diffusers pipeline with a flow transformer (SD3 style) or a DDPM/DDIM UNet (SD1.x)."""
+        from diffusers import DiffusionPipeline
+
+        index = json.loads((Path(directory) / "model_index.json").read_text())
+        # components saved as [null, null] (e.g. SD3 without its T5 encoder) are passed as None
+        absent = {name: None for name, entry in index.items() if entry == [None, None]}
+        pipeline = DiffusionPipeline.from_pretrained(directory, use_safetensors=True, **absent)
+        scheduler = pipeline.scheduler
+        if isinstance(getattr(pipeline, "transformer", None), SD3Transformer2DModel) and hasattr(
+            pipeline, "text_encoder_2"
+        ):
+            if hasattr(scheduler, "alphas_cumprod"):
+                raise ValueError(
+                    f"{directory}: a flow transformer with a DDPM-type scheduler is not supported"
+                )
+            return cls(
+                pipeline.transformer,
+                vae=pipeline.vae,
+                shift=float(scheduler.config.get("shift", 1.0)),
+                diffusers_pipeline=pipeline,
+            )
+        if isinstance(getattr(pipeline, "unet", None), UNet2DConditionModel) and hasattr(
+            pipeline, "text_encoder"
+        ):
+            if not hasattr(scheduler, "alphas_cumprod"):
+                raise ValueError(
+                    f"{directory}: the UNet's scheduler {type(scheduler).__name__} has no alphas_cumprod; "
+                    "use a DDPM/DDIM-type scheduler"
+                )
+            return cls(
+                pipeline.unet,
+                vae=pipeline.vae,
+                prediction=scheduler.config.prediction_type,
+                scheduler=scheduler,
+                diffusers_pipeline=pipeline,
+            )
+        raise ValueError(
+            f"{directory}: diffusers pipeline {index.get('_class_name')!r} is not supported; FlowPipeline "
+            "takes SD3-style pipelines (SD3Transformer2DModel, two or three text encoders) and SD1.x-style "
+            "pipelines (UNet2DConditionModel, CLIP text encoder, DDPM/DDIM-type scheduler)"
         )
 
     def to(self, device: torch.device | str) -> FlowPipeline:
-        for module in (self.transformer, self.text_encoder, self.vae):
+        if self.diffusers_pipeline is not None:
+            self.diffusers_pipeline.to(device)
+        for module in (self.denoiser, self.text_encoder, self.vae):
             if module is not None:
                 module.to(device)
         return self
 
     @property
     def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
+        return next(self.denoiser.parameters()).device
+
+    @property
+    def is_unet(self) -> bool:
+        return isinstance(self.denoiser, UNet2DConditionModel)
 
     # -- what the trainers call ------------------------------------------------------------------
 
@@ -223,25 +328,42 @@ class FlowPipeline:
 
     def set_image_size(self, size: int) -> None:
         """Generate `size` x `size` images; raise ValueError if the model cannot take that size."""
-        config = self.transformer.config
-        step = config.patch_size * self.vae_scale
-        largest = config.pos_embed_max_size * step
-        if size % step or not step <= size <= largest:
+        config = self.denoiser.config
+        if self.is_unet:
+            step = 2 ** (len(config.block_out_channels) - 1) * self.vae_scale
+            largest, what = None, f"{len(config.block_out_channels) - 1} UNet downsamplings"
+        else:
+            step = config.patch_size * self.vae_scale
+            largest, what = config.pos_embed_max_size * step, f"patch size {config.patch_size}"
+        if size % step or size < step or (largest is not None and size > largest):
+            limit = f" between {step} and {largest}" if largest is not None else ""
             raise ValueError(
-                f"image size {size} does not fit this model: use a multiple of {step} (patch size "
-                f"{config.patch_size} x {self.vae_scale} pixels per latent) between {step} and {largest}"
+                f"image size {size} does not fit this model: use a multiple of {step} ({what} x "
+                f"{self.vae_scale} pixels per latent){limit}"
             )
         self.image_size = size
 
     def latent_shape(self) -> tuple[int, int, int]:
-        side = (
-            getattr(self, "image_size", self.transformer.config.sample_size * self.vae_scale)
-            // self.vae_scale
-        )
-        return (self.transformer.config.in_channels, side, side)
+        config = self.denoiser.config
+        side = getattr(self, "image_size", config.sample_size * self.vae_scale) // self.vae_scale
+        return (config.in_channels, side, side)
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        """steps + 1 noise levels from the start of sampling down to 0: the shifted flow schedule, or
+        for a DDPM/DDIM model its scheduler's own timesteps mapped to flow noise levels."""
+        if not self.is_vp:
+            return shifted_sigmas(steps, self.shift, device=self.device)
+        scheduler = copy.deepcopy(self.scheduler)
+        scheduler.set_timesteps(steps)
+        alpha_bar = scheduler.alphas_cumprod.double()[scheduler.timesteps.long()]
+        ratio = ((1 - alpha_bar) / alpha_bar).sqrt()  # sigma / (1 - sigma)
+        sigmas = torch.cat([ratio / (1 + ratio), torch.zeros(1, dtype=torch.float64)])
+        return sigmas.to(torch.float32).to(self.device)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
+        if self.diffusers_pipeline is not None:
+            return self._encode_with_diffusers(list(prompts))
         tokens = self.tokenizer(
             list(prompts),
             padding="max_length",
@@ -252,6 +374,20 @@ class FlowPipeline:
         out = self.text_encoder(input_ids=tokens.input_ids)
         return Conditioning(out.last_hidden_state, out.text_embeds)
 
+    def _encode_with_diffusers(self, prompts: list[str]) -> Conditioning:
+        pipeline = self.diffusers_pipeline
+        if self.is_unet:
+            embeds, _ = pipeline.encode_prompt(prompts, self.device, 1, False)
+            return Conditioning(embeds, None)
+        embeds, _, pooled, _ = pipeline.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+        )
+        return Conditioning(embeds, pooled)
+
     def velocity(
         self,
         x: torch.Tensor,
@@ -259,12 +395,13 @@ class FlowPipeline:
         cond: Conditioning,
         guidance_scale: float = 1.0,
         uncond: Conditioning | None = None,
-        transformer: torch.nn.Module | None = None,
+        denoiser: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """Predicted velocity at noise level `sigma` [B]; with guidance_scale != 1, classifier-free
-        guidance against `uncond` (the empty prompt). `transformer` overrides the module called
-        (e.g. its DDP wrapper during training)."""
-        model = transformer or self.transformer
+        guidance against `uncond` (the empty prompt). Guidance on the velocity equals guidance on the
+        network output, which the velocity is affine in. `denoiser` overrides the module called (its
+        DDP wrapper while training, a frozen reference)."""
+        model = denoiser or self.denoiser
         if guidance_scale == 1.0:
             return self._velocity(model, x, sigma, cond)
         if uncond is None:
@@ -276,16 +413,43 @@ class FlowPipeline:
     def _velocity(
         self, model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
     ) -> torch.Tensor:
-        out = model(
+        shape = (-1, *([1] * (x.dim() - 1)))
+        if not self.is_vp:
+            out = self._call(model, x, sigma * 1000.0, cond)
+            if self.prediction == "velocity":
+                return out
+            divisor = sigma.clamp(min=MIN_SIGMA_DIVISOR).view(shape).to(out.dtype)
+            return (x - out) / divisor
+        alpha_bar, scale = flow_to_vp(sigma.double())
+        x_vp = x * scale.view(shape).to(x.dtype)
+        out = self._call(model, x_vp, self.timestep_for(alpha_bar), cond)
+        a = alpha_bar.sqrt().clamp_min(MIN_SQRT_ALPHA_BAR).view(shape).to(out.dtype)
+        s = (1 - alpha_bar).sqrt().view(shape).to(out.dtype)
+        if self.prediction == "epsilon":
+            eps, x0 = out, (x_vp - s * out) / a
+        elif self.prediction == "v_prediction":
+            eps, x0 = s * x_vp + a * out, a * x_vp - s * out
+        else:
+            eps, x0 = (x_vp - a * out) / s.clamp_min(MIN_SQRT_ALPHA_BAR), out
+        return eps - x0
+
+    def _call(
+        self, model: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        timestep = timestep.to(device=x.device, dtype=x.dtype)
+        if self.is_unet:
+            return model(x, timestep, encoder_hidden_states=cond.embeds).sample
+        return model(
             hidden_states=x,
-            timestep=sigma.to(x.dtype) * 1000.0,
+            timestep=timestep,
             encoder_hidden_states=cond.embeds,
             pooled_projections=cond.pooled,
         ).sample
-        if self.prediction == "velocity":
-            return out
-        divisor = sigma.clamp(min=MIN_SIGMA_DIVISOR).view(-1, *([1] * (x.dim() - 1))).to(out.dtype)
-        return (x - out) / divisor
+
+    def timestep_for(self, alpha_bar: torch.Tensor) -> torch.Tensor:
+        """The (fractional) training timestep of a VP model with this alpha_bar, by log-SNR."""
+        log_snr = torch.log(alpha_bar / (1 - alpha_bar)).cpu().numpy()
+        return torch.from_numpy(np.interp(log_snr, self._log_snr, self._timesteps))
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:

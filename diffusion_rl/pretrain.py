@@ -75,9 +75,9 @@ class DiffusionPretrainTrainer(Trainer):
         spec = TinyFlowSpec(**sizes)
         self.pipe = FlowPipeline.tiny(vocabulary(), spec, seed=cfg.seed, prediction=cfg.model.prediction)
         self.pipe.to(self.accelerator.device)
-        self.ema = copy.deepcopy(self.pipe.transformer).requires_grad_(False)
-        optimizer = torch.optim.AdamW(self.pipe.transformer.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-        self.model, self.optimizer = self.accelerator.prepare(self.pipe.transformer, optimizer)
+        self.ema = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)
+        optimizer = torch.optim.AdamW(self.pipe.denoiser.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+        self.model, self.optimizer = self.accelerator.prepare(self.pipe.denoiser, optimizer)
         warmup = cfg.train.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1))
@@ -109,7 +109,7 @@ class DiffusionPretrainTrainer(Trainer):
         s = sigma.view(-1, 1, 1, 1)
         x_sigma = (1 - s) * x0 + s * noise
         cond = self.pipe.encode_prompts(prompts)
-        pred = self.pipe.velocity(x_sigma, sigma, cond, transformer=self.model)
+        pred = self.pipe.velocity(x_sigma, sigma, cond, denoiser=self.model)
         loss = F.mse_loss(pred.float(), (noise - x0).float())
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(loss)
@@ -118,19 +118,12 @@ class DiffusionPretrainTrainer(Trainer):
         self.scheduler.step()
         with torch.no_grad():
             decay = min(cfg.train.ema_decay, (1 + step) / (10 + step))
-            for ema_p, p in zip(self.ema.parameters(), self.pipe.transformer.parameters(), strict=True):
+            for ema_p, p in zip(self.ema.parameters(), self.pipe.denoiser.parameters(), strict=True):
                 ema_p.lerp_(p, 1 - decay)
         return {"loss": loss.detach(), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 
     def ema_pipeline(self) -> FlowPipeline:
-        return FlowPipeline(
-            self.ema,
-            self.pipe.text_encoder,
-            self.pipe.tokenizer,
-            self.pipe.vae,
-            self.pipe.shift,
-            self.pipe.prediction,
-        )
+        return self.pipe.with_denoiser(self.ema)
 
     def evaluate(self) -> dict[str, float]:
         cfg = self.config.eval

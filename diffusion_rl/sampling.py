@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.sde import ode_step, shifted_sigmas
+from diffusion_rl.sde import initial_noise_std, ode_step
 from diffusion_rl.shapes import heldout_prompts, parse_prompt
 from mmrl.noise import NoiseKey, keyed_randn_batch
 
@@ -29,13 +29,13 @@ def sample_ode(
 ) -> torch.Tensor:
     """Images [N, 3, H, W] in [0, 1]; the initial noise of prompt i is keyed by (seed, eval, id_i)."""
     ids = list(prompt_ids) if prompt_ids is not None else list(range(len(prompts)))
-    sigmas = shifted_sigmas(steps, pipe.shift, device=pipe.device)
+    sigmas = pipe.sigmas(steps)
     uncond_one = pipe.encode_prompts([""])
     images = []
     for start in range(0, len(prompts), batch_size):
         chunk, chunk_ids = list(prompts[start : start + batch_size]), ids[start : start + batch_size]
         keys = [NoiseKey(seed, EVAL_STEP, i, 0) for i in chunk_ids]
-        x = keyed_randn_batch(pipe.latent_shape(), keys, device=pipe.device)
+        x = keyed_randn_batch(pipe.latent_shape(), keys, device=pipe.device) * initial_noise_std(sigmas[0])
         cond = pipe.encode_prompts(chunk)
         uncond = uncond_one[[0] * len(chunk)]
         for i in range(steps):

@@ -7,6 +7,10 @@ log-prob is that of the sample *as returned* (after the cast to `x.dtype`), so s
 sample again with `prev_sample=` and the same inputs reproduces it bit for bit: importance ratios
 are exactly 1 before the first update, in bf16 too.
 
+DDPM/DDIM (variance-preserving) models run in the same flow coordinates: x_vp = c * x_flow with
+alpha_bar = (1 - sigma)^2 / ((1 - sigma)^2 + sigma^2) and c = 1 / sqrt((1 - sigma)^2 + sigma^2)
+(`flow_to_vp`), an exact change of variables under which DDIM with eta = 0 is the Euler step.
+
 A step either draws (`noise=` given: sample = mean + std * noise) or scores (`prev_sample=` given:
 the training-time recompute); exactly one of the two. Timesteps (`sigma`, `alpha_bar`) are python
 floats or per-sample `[B]` tensors.
@@ -33,7 +37,7 @@ from torch import Tensor
 
 DENOMINATOR_EPS = 1e-4
 MIN_STD = 1e-6
-SDE_KINDS = ("flow_grpo", "dance_grpo")
+SDE_KINDS = ("flow_grpo", "dance_grpo", "ddim")
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -163,11 +167,56 @@ def ddim_step(
     x0_hat = (x32 - _safe_sqrt(1 - ab_t) * eps32) / _safe_sqrt(ab_t).clamp_min(DENOMINATOR_EPS)
     if clip_sample:
         x0_hat = x0_hat.clamp(-1, 1)
+    mean, std = _ddim_mean_std(x0_hat, eps32, ab_t, ab_prev, eta)
+    return _finish_step(x, mean, std, noise, prev_sample)
+
+
+def flow_to_vp(sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """(alpha_bar, c): the VP noise level and scale with x_vp = c * x_flow at flow noise level sigma."""
+    norm = (1 - sigma) ** 2 + sigma**2
+    return (1 - sigma) ** 2 / norm, norm.rsqrt()
+
+
+def initial_noise_std(sigma: Tensor) -> Tensor:
+    """Std of the pure-noise start at noise level sigma in flow coordinates: 1 at sigma = 1 (flow
+    models); a VP model starts from x_T ~ N(0, I), which is N(0, 1/c^2) in flow coordinates."""
+    return flow_to_vp(sigma)[1].reciprocal()
+
+
+def ddim_flow_step(
+    velocity: Tensor,
+    x: Tensor,
+    sigma: Timestep,
+    sigma_next: Timestep,
+    *,
+    eta: float = 1.0,
+    noise: Tensor | None = None,
+    prev_sample: Tensor | None = None,
+) -> StepOutput:
+    """`ddim_step` for a model in flow coordinates: x0_hat = x - sigma * v and eps = x + (1 - sigma) * v
+    (exact at sigma = 1, where the VP form divides by sqrt(alpha_bar) = 0); the VP mean and std are
+    mapped back with x_flow = x_vp / c_next. A step to sigma_next = 0 has no noise."""
+    if eta <= 0:
+        raise ValueError(f"ddim needs eta > 0 (got {eta}): with eta = 0 the step has no log-prob")
+    _check_shapes(x, velocity=velocity, noise=noise, prev_sample=prev_sample)
+    _check_one_of(noise, prev_sample)
+    sigma_t = _per_sample(sigma, x, "sigma")
+    sigma_n = _per_sample(sigma_next, x, "sigma_next")
+    x32, v32 = x.float(), velocity.float()
+    ab_t, _ = flow_to_vp(sigma_t)
+    ab_prev, c_next = flow_to_vp(sigma_n)
+    mean, std = _ddim_mean_std(x32 - sigma_t * v32, x32 + (1 - sigma_t) * v32, ab_t, ab_prev, eta)
+    return _finish_step(x, mean / c_next, std / c_next, noise, prev_sample)
+
+
+def _ddim_mean_std(
+    x0_hat: Tensor, eps: Tensor, ab_t: Tensor, ab_prev: Tensor, eta: float
+) -> tuple[Tensor, Tensor]:
     variance = (1 - ab_prev) / (1 - ab_t).clamp_min(DENOMINATOR_EPS)
     variance = variance * (1 - ab_t / ab_prev.clamp_min(DENOMINATOR_EPS))
     std = eta * _safe_sqrt(variance)
-    mean = _safe_sqrt(ab_prev) * x0_hat + _safe_sqrt(1 - ab_prev - std**2) * eps32
-    return _finish_step(x, mean, std, noise, prev_sample)
+    mean = _safe_sqrt(ab_prev) * x0_hat + _safe_sqrt(1 - ab_prev - std**2) * eps
+    return mean, std
 
 
 def sde_step(
@@ -182,13 +231,16 @@ def sde_step(
     prev_sample: Tensor | None = None,
 ) -> StepOutput:
     """The flow SDE step named by `kind` (a config string). noise_scale is the form's own knob:
-    noise_level a for "flow_grpo", eta for "dance_grpo"; None keeps that form's default."""
+    noise_level a for "flow_grpo", eta for "dance_grpo" and "ddim"; None keeps that form's default."""
     if kind == "flow_grpo":
         scale = {} if noise_scale is None else {"noise_level": noise_scale}
         return flow_grpo_step(velocity, x, sigma, sigma_next, noise=noise, prev_sample=prev_sample, **scale)
     if kind == "dance_grpo":
         scale = {} if noise_scale is None else {"eta": noise_scale}
         return dance_grpo_step(velocity, x, sigma, sigma_next, noise=noise, prev_sample=prev_sample, **scale)
+    if kind == "ddim":
+        scale = {} if noise_scale is None else {"eta": noise_scale}
+        return ddim_flow_step(velocity, x, sigma, sigma_next, noise=noise, prev_sample=prev_sample, **scale)
     raise ValueError(f"unknown SDE kind {kind!r}: choose one of {', '.join(SDE_KINDS)}")
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +30,7 @@ from accelerate.utils import gather_object
 
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.sampling import evaluate_alignment, save_grid
-from diffusion_rl.sde import StepOutput, sde_step, sde_step_mask, shifted_sigmas
+from diffusion_rl.sde import StepOutput, initial_noise_std, sde_step, sde_step_mask
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import gaussian_kl_same_std, ppo_clip
@@ -50,7 +52,7 @@ class ModelConfig:
     path: str = option(
         "runs/pretrain/diffusion/pipeline", "local model directory (FlowPipeline.save_pretrained)"
     )
-    lora_rank: int = option(0, "LoRA rank on the transformer's attention; 0 trains every weight", min=0)
+    lora_rank: int = option(0, "LoRA rank on the denoiser's attention; 0 trains every weight", min=0)
     lora_alpha: float = option(0.0, "LoRA alpha (0: equal to the rank)", min=0.0)
 
 
@@ -60,8 +62,8 @@ class RolloutConfig:
     steps: int = option(20, "denoising steps", min=1)
     image_size: int | None = option(None, "image side in pixels (null: the model's own size)", min=1)
     guidance_scale: float = option(3.0, "classifier-free guidance scale (1: none)", min=1.0)
-    sde: Literal["flow_grpo", "dance_grpo"] = option("flow_grpo", "SDE form of the stochastic steps")
-    noise_level: float = option(0.7, "Flow-GRPO a / DanceGRPO eta", min=0.0)
+    sde: Literal["flow_grpo", "dance_grpo", "ddim"] = option("flow_grpo", "SDE form of the stochastic steps")
+    noise_level: float = option(0.7, "Flow-GRPO a / DanceGRPO eta / DDIM eta", min=0.0)
     split_steps: list[int] = option([0, 3, 6, 9], "steps where every node branches (flat GRPO: [0])", min=0)
     branch_factor: int = option(2, "children per node at a split (flat GRPO: the group size)", min=2)
     split_noise_scale: float = option(1.0, "noise multiplier at split steps", min=0.0)
@@ -100,6 +102,9 @@ class TrainConfig:
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
     micro_batch: int = option(64, "denoising steps per forward/backward", min=1)
     nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
+    ema_decay: float = option(
+        0.0, "EMA of the trained weights, used to evaluate and save the result (0: off)", min=0.0, max=0.9999
+    )
 
 
 @dataclass
@@ -133,6 +138,11 @@ class BranchGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: rollout.split_steps = {r.split_steps} must be increasing and below "
                 f"rollout.steps = {r.steps}"
+            )
+        if r.sde == "ddim" and r.split_steps[-1] >= r.steps - 1:
+            raise ConfigError(
+                f"config error: rollout.split_steps = {r.split_steps}: with rollout.sde = ddim the last "
+                f"step ({r.steps - 1}) has no noise, so nothing can branch there; split earlier"
             )
         if r.sde_window is not None and (
             len(r.sde_window) != 2 or not 0 <= r.sde_window[0] <= r.sde_window[1] <= r.steps
@@ -206,9 +216,10 @@ def plan_for(rollout: RolloutConfig, steps: int | None = None, branch_factor: in
             rollout.sde_window[0] * steps // rollout.steps,
             rollout.sde_window[1] * steps // rollout.steps,
         )
-    return TreePlan(
-        steps, splits, branch_factor or rollout.branch_factor, sde_step_mask(steps, splits, window)
-    )
+    sde_mask = sde_step_mask(steps, splits, window)
+    if rollout.sde == "ddim":  # DDIM's last step (to sigma = 0) has no noise: it is an ODE step
+        sde_mask[-1] = False
+    return TreePlan(steps, splits, branch_factor or rollout.branch_factor, sde_mask)
 
 
 @torch.no_grad()
@@ -227,11 +238,11 @@ def rollout_trees(
     number of model evaluations. A node's `state` holds its noise key and its `StepRecord`s; a
     skeleton (a set of keys) restricts the tree to those nodes, for exact replays."""
     device = pipe.device
-    sigmas = shifted_sigmas(plan.steps, pipe.shift, device=device)
+    sigmas = pipe.sigmas(plan.steps)
     trees = [RolloutTree(root_state={"key": 0, "records": []}) for _ in prompt_ids]
     rows = [(t, 0) for t in range(len(trees))]  # (tree index, node id)
     root_keys = [NoiseKey(seed, step, prompt_ids[t], 0, plan.steps) for t in range(len(trees))]
-    x = keyed_randn_batch(pipe.latent_shape(), root_keys, device=device)
+    x = keyed_randn_batch(pipe.latent_shape(), root_keys, device=device) * initial_noise_std(sigmas[0])
     splits = set(plan.split_steps)
     evaluations = 0
     for i in range(plan.steps):
@@ -338,12 +349,12 @@ class BranchGRPOTrainer(Trainer):
                 ) from None
         self.reference = None
         if cfg.train.kl_coef > 0:
-            self.reference = copy.deepcopy(self.pipe.transformer).requires_grad_(False)
+            self.reference = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)
         if cfg.model.lora_rank > 0:
             from peft import LoraConfig
 
-            self.pipe.transformer.requires_grad_(False)
-            self.pipe.transformer.add_adapter(
+            self.pipe.denoiser.requires_grad_(False)
+            self.pipe.denoiser.add_adapter(
                 LoraConfig(
                     r=cfg.model.lora_rank,
                     lora_alpha=cfg.model.lora_alpha or cfg.model.lora_rank,
@@ -351,9 +362,11 @@ class BranchGRPOTrainer(Trainer):
                     target_modules=["to_q", "to_k", "to_v", "to_out.0"],
                 )
             )
-        params = [p for p in self.pipe.transformer.parameters() if p.requires_grad]
+        params = [p for p in self.pipe.denoiser.parameters() if p.requires_grad]
+        self.trained_params = params
+        self.ema = [p.detach().clone() for p in params] if cfg.train.ema_decay > 0 else None
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=0.0)
-        self.model, self.optimizer = self.accelerator.prepare(self.pipe.transformer, optimizer)
+        self.model, self.optimizer = self.accelerator.prepare(self.pipe.denoiser, optimizer)
         self.prompt_generator = torch.Generator().manual_seed(cfg.seed)
         self.nan_streak = 0
         self.skipped_steps = 0
@@ -361,15 +374,39 @@ class BranchGRPOTrainer(Trainer):
         self.uncond_one = self.pipe.encode_prompts([""])
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"prompt_generator": self.prompt_generator.get_state(), "skipped_steps": self.skipped_steps}
+        state = {"prompt_generator": self.prompt_generator.get_state(), "skipped_steps": self.skipped_steps}
+        if self.ema is not None:
+            state["ema"] = self.ema
+        return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.prompt_generator.set_state(state["prompt_generator"])
         self.skipped_steps = state["skipped_steps"]
+        if self.ema is not None:
+            for ema, saved in zip(self.ema, state["ema"], strict=True):
+                ema.copy_(saved)
+
+    @contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Swap the EMA weights into the model for the duration (no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        live = [p.detach().clone() for p in self.trained_params]
+        with torch.no_grad():
+            for p, ema in zip(self.trained_params, self.ema, strict=True):
+                p.copy_(ema)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.trained_params, live, strict=True):
+                    p.copy_(saved)
 
     def evaluate(self) -> dict[str, float]:
         cfg = self.config.eval
-        return evaluate_alignment(self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed)
+        with self.ema_weights():
+            return evaluate_alignment(self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -437,9 +474,7 @@ class BranchGRPOTrainer(Trainer):
         """Low-precision candidate pool; keep the best and worst leaves; return their skeletons."""
         cfg = self.config
         plan = plan_for(cfg.rollout, cfg.explore.steps, cfg.explore.branch_factor)
-        with explore_precision(
-            self.pipe.transformer, cfg.explore.precision, cfg.explore.quantize_activations
-        ):
+        with explore_precision(self.pipe.denoiser, cfg.explore.precision, cfg.explore.quantize_activations):
             trees, leaves, evaluations = rollout_trees(
                 self.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, step
             )
@@ -529,7 +564,7 @@ class BranchGRPOTrainer(Trainer):
         cfg = self.config
         if not samples:
             return {"loss": 0.0}
-        sigmas = shifted_sigmas(cfg.rollout.steps, self.pipe.shift, device=self.pipe.device)
+        sigmas = self.pipe.sigmas(cfg.rollout.steps)
         self.optimizer.zero_grad(set_to_none=True)
         total, stats, finite = len(samples), [], True
         split_steps = set(self.plan.split_steps)
@@ -564,19 +599,23 @@ class BranchGRPOTrainer(Trainer):
             return self.skip_step("non-finite gradient")
         self.optimizer.step()
         self.nan_streak = 0
+        if self.ema is not None:
+            with torch.no_grad():
+                for ema, p in zip(self.ema, self.trained_params, strict=True):
+                    ema.lerp_(p, 1 - cfg.train.ema_decay)
         merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
         return {"loss": sum(n * value for n, _, value in stats) / total, "grad_norm": grad_norm, **merged}
 
     def chunk_log_probs(
         self,
-        transformer: torch.nn.Module,
+        denoiser: torch.nn.Module,
         chunk: list[tuple[int, StepRecord, float]],
         cond: Conditioning,
         uncond: Conditioning,
         sigmas: torch.Tensor,
         split_steps: set[int],
     ) -> StepOutput:
-        """Log-probs of a micro-batch of stored steps under `transformer` (the policy or the reference)."""
+        """Log-probs of a micro-batch of stored steps under `denoiser` (the policy or the reference)."""
         tree_index = [t for t, _, _ in chunk]
         steps = torch.tensor([r.step for _, r, _ in chunk], device=self.pipe.device)
         x = torch.stack([r.x for _, r, _ in chunk])
@@ -588,7 +627,7 @@ class BranchGRPOTrainer(Trainer):
             cond[tree_index],
             self.config.rollout.guidance_scale,
             uncond[tree_index],
-            transformer=transformer,
+            denoiser=denoiser,
         )
         is_split = torch.tensor([r.step in split_steps for _, r, _ in chunk])
         return self.recompute(v, x, sigma, sigma_next, x_next, is_split)
@@ -644,17 +683,14 @@ class BranchGRPOTrainer(Trainer):
         return result
 
     def save_result(self) -> None:
-        """The trained model: a full pipeline (save_pretrained), or LoRA weights diffusers can load."""
+        """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or
+        LoRA weights that diffusers loads with `pipe.load_lora_weights`."""
         out = self.run_dir / "final"
-        transformer = self.accelerator.unwrap_model(self.model)
-        if self.config.model.lora_rank > 0:
-            from diffusers import StableDiffusion3Pipeline
-            from peft.utils import get_peft_model_state_dict
+        denoiser = self.accelerator.unwrap_model(self.model)
+        with self.ema_weights():
+            if self.config.model.lora_rank > 0:
+                from peft.utils import get_peft_model_state_dict
 
-            StableDiffusion3Pipeline.save_lora_weights(
-                out, transformer_lora_layers=get_peft_model_state_dict(transformer), safe_serialization=True
-            )
-        else:
-            FlowPipeline(
-                transformer, self.pipe.text_encoder, self.pipe.tokenizer, self.pipe.vae, self.pipe.shift
-            ).save_pretrained(out)
+                self.pipe.save_lora_weights(out, get_peft_model_state_dict(denoiser))
+            else:
+                self.pipe.with_denoiser(denoiser).save_pretrained(out)

@@ -119,17 +119,43 @@ def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path):
 
 def test_training_steps_change_the_model_and_log(model_dir, tmp_path):
     trainer = trainer_for(model_dir, tmp_path, "train.lr=1e-2", "train.clip_low=0.2", "train.clip_high=0.2")
-    before = [p.detach().clone() for p in trainer.pipe.transformer.parameters()]
+    before = [p.detach().clone() for p in trainer.pipe.denoiser.parameters()]
     metrics = trainer.train_step(0)
     assert metrics["leaves_per_prompt"] == 8 and metrics["trained_steps"] > 0
     assert all(torch.isfinite(torch.as_tensor(float(v))) for k, v in metrics.items() if k != "loss")
-    after = list(trainer.pipe.transformer.parameters())
+    after = list(trainer.pipe.denoiser.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_ema_weights_evaluate_and_are_saved_and_live_weights_survive(model_dir, tmp_path):
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        "train.lr=1e-2",
+        "train.clip_low=0.2",
+        "train.clip_high=0.2",
+        "train.ema_decay=0.5",
+    )
+    start = [p.detach().clone() for p in trainer.trained_params]
+    trainer.train_step(0)
+    live = [p.detach().clone() for p in trainer.trained_params]
+    for ema, s, p in zip(trainer.ema, start, live, strict=True):  # one update: ema = (start + live) / 2
+        torch.testing.assert_close(ema, (s + p) / 2)
+    with trainer.ema_weights():
+        assert all(torch.equal(p, e) for p, e in zip(trainer.trained_params, trainer.ema, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.trained_params, live, strict=True))
+    assert "ema" in trainer.trainer_state()
+    trainer.save_result()
+    saved = FlowPipeline.from_pretrained(tmp_path / "final").denoiser.state_dict()
+    names = [n for n, p in trainer.pipe.denoiser.named_parameters() if p.requires_grad]
+    for name, ema in zip(names, trainer.ema, strict=True):
+        assert torch.equal(saved[name], ema)
 
 
 @pytest.mark.parametrize(
     "variant",
     [
+        ["rollout.sde=ddim", "rollout.noise_level=1.0"],
         ["rollout.split_steps=[0]", "rollout.branch_factor=6", "train.advantage=grpo_global_std"],
         ["rollout.sde_window=[0,1]", "prune.depths=[3]"],
         ["prune.width=top_half_per_branch", "rollout.reward_fusion=logprob_weighted"],

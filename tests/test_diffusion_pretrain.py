@@ -57,7 +57,7 @@ def test_sample_prediction_becomes_a_velocity():
     x, sigma = torch.randn(2, 3, 16, 16), torch.tensor([0.5, 0.01])
     cond = pipe.encode_prompts(["a red circle", "two blue squares"])
     with torch.no_grad():
-        x0 = pipe.transformer(
+        x0 = pipe.denoiser(
             hidden_states=x,
             timestep=sigma * 1000,
             encoder_hidden_states=cond.embeds,

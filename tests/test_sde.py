@@ -7,9 +7,12 @@ from diffusers import DDIMScheduler
 from diffusion_rl.sde import (
     SDE_KINDS,
     dance_grpo_step,
+    ddim_flow_step,
     ddim_step,
     flow_grpo_step,
+    flow_to_vp,
     gaussian_log_prob,
+    initial_noise_std,
     ode_step,
     sde_step,
     sde_step_mask,
@@ -18,7 +21,7 @@ from diffusion_rl.sde import (
 from mmrl.noise import NoiseKey, keyed_randn_batch
 
 LATENT_SHAPE = (4, 4, 16, 16)
-FLOW_STEPS = {"flow_grpo": flow_grpo_step, "dance_grpo": dance_grpo_step}
+FLOW_STEPS = {"flow_grpo": flow_grpo_step, "dance_grpo": dance_grpo_step, "ddim": ddim_flow_step}
 # Steps near both ends of the schedule: first step (sigma = 1 and just below), middle, last steps.
 SIGMA_PAIRS = [(1.0, 0.98), (0.999, 0.995), (0.5, 0.45), (0.05, 0.0), (0.02, 0.0)]
 # |exp(new - old) - 1| when the training pass sees the velocity in fp32 while the rollout used its
@@ -43,6 +46,29 @@ def _inputs(seed=0, dtype=torch.float32):
 def _reference_log_prob(sample, mean, std):
     normal = torch.distributions.Normal(mean.double(), torch.as_tensor(std).double())
     return normal.log_prob(sample.double()).reshape(sample.shape[0], -1).mean(dim=1)
+
+
+def _skip_noiseless(kind, sigma_next):
+    if kind == "ddim" and sigma_next == 0:
+        pytest.skip("DDIM's step to sigma = 0 has no noise (the trainer runs it as an ODE step)")
+
+
+def test_ddim_flow_step_to_zero_is_the_clean_estimate_and_eta_is_checked():
+    velocity, x, noise = _inputs()
+    out = ddim_flow_step(velocity, x, 0.05, 0.0, noise=noise)
+    torch.testing.assert_close(out.prev_sample, x - 0.05 * velocity)  # x0_hat, no noise
+    assert float(out.std.max()) == 0.0
+    with pytest.raises(ValueError, match="eta > 0"):
+        ddim_flow_step(velocity, x, 0.5, 0.4, eta=0.0, noise=noise)
+
+
+def test_flow_to_vp_is_the_variance_preserving_change_of_variables():
+    sigma = torch.tensor([1.0, 0.7, 0.3, 0.0], dtype=torch.float64)
+    alpha_bar, c = flow_to_vp(sigma)
+    # x_vp = c * ((1 - sigma) x0 + sigma eps) = sqrt(ab) x0 + sqrt(1 - ab) eps
+    torch.testing.assert_close(c * (1 - sigma), alpha_bar.sqrt())
+    torch.testing.assert_close(c * sigma, (1 - alpha_bar).sqrt())
+    torch.testing.assert_close(initial_noise_std(sigma[:1]), torch.ones(1, dtype=torch.float64))
 
 
 # --- schedule ---
@@ -75,6 +101,7 @@ def test_shifted_sigmas_rejects_bad_arguments():
 @pytest.mark.parametrize("kind", SDE_KINDS)
 @pytest.mark.parametrize(("sigma", "sigma_next"), SIGMA_PAIRS)
 def test_log_prob_matches_independent_normal_and_recompute_is_exact(kind, sigma, sigma_next):
+    _skip_noiseless(kind, sigma_next)
     velocity, x, noise = _inputs()
     drawn = FLOW_STEPS[kind](velocity, x, sigma, sigma_next, noise=noise)
     expected = _reference_log_prob(drawn.prev_sample, drawn.mean, drawn.std)
@@ -90,6 +117,7 @@ def test_log_prob_matches_independent_normal_and_recompute_is_exact(kind, sigma,
 @pytest.mark.parametrize("kind", SDE_KINDS)
 @pytest.mark.parametrize(("sigma", "sigma_next"), SIGMA_PAIRS)
 def test_bf16_inputs_give_fp32_log_probs_and_ratio_one(kind, sigma, sigma_next):
+    _skip_noiseless(kind, sigma_next)
     velocity, x, noise = _inputs(dtype=torch.bfloat16)
     step = FLOW_STEPS[kind]
     drawn = step(velocity, x, sigma, sigma_next, noise=noise)
