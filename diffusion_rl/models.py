@@ -84,13 +84,15 @@ def build_clip_tokenizer(words: Sequence[str], max_length: int = 16) -> CLIPToke
 
 @dataclass
 class TinyFlowSpec:
-    """Sizes of the tiny pixel-space flow model (an SD3 transformer and a CLIP text encoder)."""
+    """Sizes of the tiny pixel-space flow model: an SD3 transformer or a UNet, and a CLIP text encoder."""
 
     image_size: int = 32
-    patch_size: int = 4
-    layers: int = 4
-    heads: int = 2
-    head_dim: int = 32
+    backbone: str = "sd3"  # "sd3" (SD3Transformer2DModel) or "unet" (UNet2DConditionModel)
+    patch_size: int = 4  # sd3
+    layers: int = 4  # sd3
+    heads: int = 2  # sd3
+    head_dim: int = 32  # sd3
+    unet_channels: tuple[int, ...] = (32, 64, 64)  # unet: channels per resolution, attention at the last
     text_hidden: int = 64
     text_layers: int = 2
     max_tokens: int = 16
@@ -179,6 +181,21 @@ class FlowPipeline:
                 pad_token_id=1,
             )
         )
+        if spec.backbone == "unet":
+            levels = len(spec.unet_channels)
+            denoiser = UNet2DConditionModel(
+                sample_size=spec.image_size,
+                in_channels=3,
+                out_channels=3,
+                block_out_channels=spec.unet_channels,
+                layers_per_block=1,
+                down_block_types=("DownBlock2D",) * (levels - 1) + ("CrossAttnDownBlock2D",),
+                up_block_types=("CrossAttnUpBlock2D",) + ("UpBlock2D",) * (levels - 1),
+                cross_attention_dim=spec.text_hidden,
+                attention_head_dim=8,
+                norm_num_groups=min(16, spec.unet_channels[0]),
+            )
+            return cls(denoiser, text_encoder, tokenizer, prediction=prediction)
         transformer = SD3Transformer2DModel(
             sample_size=spec.image_size,
             patch_size=spec.patch_size,
@@ -209,12 +226,17 @@ class FlowPipeline:
             pipeline.save_pretrained(directory, safe_serialization=True)
             return
         directory.mkdir(parents=True, exist_ok=True)
-        self.denoiser.save_pretrained(directory / "transformer")
+        self.denoiser.save_pretrained(directory / self.denoiser_folder)
         self.text_encoder.save_pretrained(directory / "text_encoder")
         self.tokenizer.save_pretrained(directory / "tokenizer")
         if self.vae is not None:
             self.vae.save_pretrained(directory / "vae")
-        settings = {"shift": self.shift, "vae": self.vae is not None, "prediction": self.prediction}
+        settings = {
+            "shift": self.shift,
+            "vae": self.vae is not None,
+            "prediction": self.prediction,
+            "denoiser": self.denoiser_folder,
+        }
         (directory / PIPELINE_FILE).write_text(json.dumps(settings, indent=1))
 
     def save_lora_weights(self, directory: str | Path, lora_layers: dict[str, torch.Tensor]) -> None:
@@ -243,8 +265,10 @@ class FlowPipeline:
                 from diffusers import AutoencoderKL
 
                 vae = AutoencoderKL.from_pretrained(directory / "vae")
+            folder = settings.get("denoiser", "transformer")
+            denoiser_class = UNet2DConditionModel if folder == "unet" else SD3Transformer2DModel
             return cls(
-                SD3Transformer2DModel.from_pretrained(directory / "transformer"),
+                denoiser_class.from_pretrained(directory / folder),
                 CLIPTextModelWithProjection.from_pretrained(directory / "text_encoder"),
                 CLIPTokenizer.from_pretrained(directory / "tokenizer"),
                 vae=vae,
@@ -318,6 +342,10 @@ class FlowPipeline:
     @property
     def is_unet(self) -> bool:
         return isinstance(self.denoiser, UNet2DConditionModel)
+
+    @property
+    def denoiser_folder(self) -> str:
+        return "unet" if self.is_unet else "transformer"
 
     # -- what the trainers call ------------------------------------------------------------------
 

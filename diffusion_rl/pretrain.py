@@ -28,6 +28,12 @@ from mmrl.trainer import Trainer
 @dataclass
 class PretrainModelConfig:
     image_size: int = option(32, "image side in pixels", min=8)
+    backbone: Literal["sd3", "unet"] = option(
+        "sd3", "denoiser: SD3Transformer2DModel or UNet2DConditionModel (convolutional)"
+    )
+    unet_channels: list[int] = option(
+        [32, 64, 64], "UNet channels per resolution (attention at the last)", min=8
+    )
     patch_size: int = option(4, "transformer patch size", min=1)
     layers: int = option(4, "transformer layers", min=1)
     heads: int = option(2, "attention heads", min=1)
@@ -72,7 +78,7 @@ class DiffusionPretrainTrainer(Trainer):
     def setup(self) -> None:
         cfg = self.config
         sizes = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "prediction"}
-        spec = TinyFlowSpec(**sizes)
+        spec = TinyFlowSpec(**{**sizes, "unet_channels": tuple(cfg.model.unet_channels)})
         self.pipe = FlowPipeline.tiny(vocabulary(), spec, seed=cfg.seed, prediction=cfg.model.prediction)
         self.pipe.to(self.accelerator.device)
         self.ema = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -429,6 +430,7 @@ class BranchGRPOTrainer(Trainer):
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
+        started = time.perf_counter()
         ids, prompts = self.pick_prompts()
         cond = self.pipe.encode_prompts(prompts)
         uncond = self.uncond_one[[0] * len(prompts)]
@@ -463,6 +465,7 @@ class BranchGRPOTrainer(Trainer):
             trained_steps=len(samples),
             leaves_per_prompt=len(rewards) / len(trees),
             skipped_steps=self.skipped_steps,
+            step_seconds=time.perf_counter() - started,  # wall-clock of the rollout, reward and update
         )
         if self.is_main and step % 10 == 0:
             save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")

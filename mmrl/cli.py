@@ -80,10 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser(
         "report",
-        help="turn a run directory into an HTML page",
-        description="Write RUN_DIR/report.html with metric curves and sample grids.",
+        help="turn a run directory into an HTML page, or compare runs in one plot",
+        description="Write RUN_DIR/report.html with metric curves and sample grids. With --compare, "
+        "plot the held-out metric of several runs against wall-clock and model evaluations.",
     )
-    report.add_argument("run_dir")
+    report.add_argument("run_dir", nargs="+", help="run directory (several with --compare)")
+    report.add_argument("--compare", metavar="PNG", help="write a comparison plot of the runs to PNG")
+    report.add_argument("--metric", default="heldout_alignment", help="held-out metric to compare")
 
     sub.add_parser(
         "list",
@@ -136,9 +139,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mmrl.report import write_report
+    from mmrl.report import compare_runs, write_report
 
-    print(write_report(args.run_dir))
+    if args.compare:
+        print(compare_runs(args.run_dir, args.metric, args.compare))
+        return 0
+    if len(args.run_dir) > 1:
+        raise ConfigError("mmrl report takes one run directory; pass --compare PNG to compare several")
+    print(write_report(args.run_dir[0]))
     return 0
 
 

@@ -48,6 +48,9 @@ class BaseConfig:
     steps: int = option(100, "training steps", min=1)
     checkpoint_every: int = option(10, "steps between checkpoints", min=1)
     keep_checkpoints: int = option(3, "newest checkpoints kept on disk", min=1)
+    eval_every: int = option(
+        0, "steps between held-out evaluations logged as eval_<metric> (0: only before and after)", min=0
+    )
     tensorboard: bool = option(False, "also write TensorBoard event files")
     progress: bool = option(True, "show progress bars")
 

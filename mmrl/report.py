@@ -98,3 +98,40 @@ def write_report(run_dir: str | Path) -> Path:
     out = run / "report.html"
     out.write_text(page)
     return out
+
+
+def compare_runs(run_dirs: list[str | Path], metric: str, out: str | Path) -> Path:
+    """One PNG comparing runs: held-out `metric` (before, every `eval_every` steps, after) against
+    training wall-clock (sum of `step_seconds`) and against model evaluations (sum of `nfe` plus
+    `explore_nfe`, per prompt). Raise FileNotFoundError / KeyError naming what is missing."""
+    fig, (by_time, by_nfe) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for run_dir in run_dirs:
+        run = Path(run_dir)
+        rows = read_metrics(run) if (run / "metrics.jsonl").is_file() else []
+        evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+        if not rows or metric not in evals.get("after", {}):
+            raise FileNotFoundError(
+                f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
+                "with before/after); train it to the end first"
+            )
+        seconds, nfe, points = 0.0, 0.0, [(0.0, 0.0, evals["before"][metric])]
+        for row in rows:
+            seconds += float(row.get("step_seconds", 0.0))
+            nfe += float(row.get("nfe", 0.0)) + float(row.get("explore_nfe", 0.0))
+            if f"eval_{metric}" in row:
+                points.append((seconds, nfe, float(row[f"eval_{metric}"])))
+        points.append((seconds, nfe, evals["after"][metric]))
+        label = run.name
+        by_time.plot([p[0] for p in points], [p[2] for p in points], marker="o", ms=3, label=label)
+        by_nfe.plot([p[1] for p in points], [p[2] for p in points], marker="o", ms=3, label=label)
+    by_time.set_xlabel("training wall-clock (s)")
+    by_nfe.set_xlabel("denoiser evaluations per prompt (rollouts)")
+    for ax in (by_time, by_nfe):
+        ax.set_ylabel(f"held-out {metric}")
+        ax.grid(alpha=0.3)
+    by_nfe.legend(fontsize=8)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out

@@ -172,6 +172,9 @@ class Trainer:
             except TrainingStopped as stop:
                 self.stop(step, str(stop))
                 raise
+            every = self.config.eval_every
+            if every and (step + 1) % every == 0 and step + 1 < self.config.steps:
+                metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
             if log is not None:
                 log.log(step + 1, metrics)
             if "reward" in metrics:

@@ -272,3 +272,34 @@ def test_empty_prompt_file(model_dir, tmp_path):
     empty.write_text("\n \n")
     with pytest.raises(ConfigError, match="holds no prompts"):
         trainer_for(model_dir, tmp_path / "run", f"prompt_file={empty}")
+
+
+def test_periodic_evaluation_and_comparison_plot(model_dir, tmp_path):
+    runs = []
+    for name, extra in [("flat", ["rollout.split_steps=[0]", "rollout.branch_factor=4"]), ("branch", [])]:
+        config = load_config(
+            "diffusion/branchgrpo",
+            [
+                f"model.path={model_dir}",
+                f"output_dir={tmp_path / name}",
+                "progress=false",
+                "steps=2",
+                "eval_every=1",
+                "rollout.prompts_per_step=1",
+                "rollout.steps=4",
+                "rollout.split_steps=[0,2]",
+                "eval.prompts=2",
+                "eval.steps=2",
+                *extra,
+            ],
+        )
+        BranchGRPOTrainer(config).train()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert "eval_heldout_alignment" in rows[0] and "eval_heldout_alignment" not in rows[1]
+        assert all(row["step_seconds"] > 0 for row in rows)
+        runs.append(str(tmp_path / name))
+    png = tmp_path / "compare.png"
+    assert main(["report", *runs, "--compare", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+    assert main(["report", runs[0], str(tmp_path / "missing"), "--compare", str(png)]) == 2
+    assert main(["report", *runs]) == 2  # several runs need --compare
