@@ -1,6 +1,6 @@
 """Low-precision policy weights for exploration rollouts.
 
-Sol-RL style exploration: sample many candidates cheaply with the policy's Linear layers quantised
+Sol-RL style exploration: sample many candidates cheaply with the policy's Linear and Conv2d layers quantised
 (NVFP4 or FP8), then replay the chosen ones in BF16 for the update. `explore_precision` swaps the
 quantised weights in and puts the exact originals back afterwards.
 
@@ -184,21 +184,24 @@ def _fp8_linear_forward(layer: nn.Linear, original_weight: Tensor) -> Callable[[
 def explore_precision(
     model: nn.Module, precision: str, quantize_activations: bool = False
 ) -> Iterator[nn.Module]:
-    """Run `model` with every nn.Linear weight (subclasses too; not convolutions) in `precision`.
+    """Run `model` with every nn.Linear and nn.Conv2d weight (subclasses too) in `precision`; a
+    convolution's weight is quantised in blocks along its flattened (in_channels, kh, kw) dims.
 
     On enter each weight's data is replaced by its quantised value (the Parameter objects stay, so
     optimisers and tied weights keep working); on exit, also after an exception, the original tensors are
     put back untouched, so the weights are bit-identical. With `quantize_activations`, forward pre-hooks
-    quantise each Linear's input in the same format too (W4A4 for NVFP4, as in Sol-RL).
+    quantise each Linear's input in the same format too (W4A4 for NVFP4, as in Sol-RL); convolution
+    inputs stay in full precision.
 
     "fp8" on CUDA capability >= 8.9 swaps in a real FP8 matmul, which always quantises inputs too (W8A8):
-    that is what makes it fast. Elsewhere (or for dims not divisible by 16) it is emulated, with a warning.
+    that is what makes it fast. Elsewhere (convolutions, dims not divisible by 16, other devices) it is
+    emulated, with a warning.
     """
     quantize = PRECISIONS.get(precision)
-    linears = [
+    layers = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m.weight.is_floating_point()
+        if isinstance(m, nn.Linear | nn.Conv2d) and m.weight.is_floating_point()
     ]
     originals: dict[int, tuple[nn.Parameter, Tensor]] = {}
     swapped_forwards: list[nn.Linear] = []
@@ -206,14 +209,17 @@ def explore_precision(
     emulated_fp8 = 0
     try:
         with torch.no_grad():
-            for name, layer in linears:
+            for name, layer in layers:
                 weight = layer.weight
                 if id(weight) not in originals:  # a weight tied between layers is quantised once
                     originals[id(weight)] = (weight, weight.data)
                     try:
-                        weight.data = quantize(weight.data)
+                        weight.data = quantize(weight.data.flatten(1)).view_as(weight.data)
                     except ValueError as err:
                         raise ValueError(f"{name}.weight: {err}") from err
+                if isinstance(layer, nn.Conv2d):
+                    emulated_fp8 += precision == "fp8"
+                    continue
                 if precision == "fp8":
                     # a forward set on the instance belongs to someone else (e.g. accelerate hooks): keep it
                     if "forward" not in vars(layer) and _fp8_kernel_ok(weight):
@@ -227,8 +233,8 @@ def explore_precision(
                     )
         if emulated_fp8:
             warnings.warn(
-                f"precision 'fp8' is emulated (fake quantisation) for {emulated_fp8} Linear layer(s): "
-                "real FP8 matmuls need CUDA capability >= 8.9 and weight dims divisible by 16",
+                f"precision 'fp8' is emulated (fake quantisation) for {emulated_fp8} layer(s): real FP8 "
+                "matmuls need Linear layers, CUDA capability >= 8.9 and weight dims divisible by 16",
                 stacklevel=3,
             )
         yield model

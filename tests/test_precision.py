@@ -249,7 +249,7 @@ def test_activation_hooks_quantise_inputs_and_are_removed():
     assert torch.equal(model(x), reference)
 
 
-def test_explore_skips_conv_and_handles_tied_weights():
+def test_explore_quantises_conv_in_flattened_blocks_and_handles_tied_weights():
     torch.manual_seed(7)
     conv = nn.Conv2d(3, 4, 3)
     first, second = nn.Linear(16, 16), nn.Linear(16, 16)
@@ -257,7 +257,8 @@ def test_explore_skips_conv_and_handles_tied_weights():
     model = nn.ModuleDict({"conv": conv, "first": first, "second": second})
     before = snapshot(model)
     with explore_precision(model, "nvfp4-emulated"):
-        assert torch.equal(conv.weight, before["conv.weight"])
+        expected = nvfp4_fake_quantize(before["conv.weight"].flatten(1)).view(4, 3, 3, 3)
+        assert torch.equal(conv.weight, expected) and not torch.equal(expected, before["conv.weight"])
         assert second.weight is first.weight
         assert torch.equal(first.weight, nvfp4_fake_quantize(before["first.weight"]))
     assert_bit_identical(model, before)
