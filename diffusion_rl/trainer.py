@@ -51,7 +51,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @dataclass
 class ModelConfig:
     path: str = option(
-        "runs/pretrain/diffusion/pipeline", "local model directory (FlowPipeline.save_pretrained)"
+        "diffusion_rl/assets/tiny_flow",
+        "local model directory: FlowPipeline.save_pretrained output or a diffusers pipeline (SD3, SD1.x)",
     )
     lora_rank: int = option(0, "LoRA rank on the denoiser's attention; 0 trains every weight", min=0)
     lora_alpha: float = option(0.0, "LoRA alpha (0: equal to the rank)", min=0.0)
@@ -338,9 +339,11 @@ class BranchGRPOTrainer(Trainer):
             raise ConfigError(f"config error: reward.name: {err}") from None
         except TypeError as err:
             raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
-        self.pipe = FlowPipeline.from_pretrained(resolve_model_path(cfg.model.path)).to(
-            self.accelerator.device
-        )
+        try:
+            self.pipe = FlowPipeline.from_pretrained(resolve_model_path(cfg.model.path))
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
+        self.pipe.to(self.accelerator.device)
         if cfg.rollout.image_size is not None:
             try:
                 self.pipe.set_image_size(cfg.rollout.image_size)

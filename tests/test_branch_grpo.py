@@ -260,6 +260,7 @@ def test_reward_server_down_stops_cleanly(model_dir, tmp_path, monkeypatch):
         (["reward.name=clip_scor"], "did you mean 'clip_score'"),
         (["rollout.split_steps=[0,30]"], "below rollout.steps"),
         (["model.path=/nonexistent/model"], "mmrl pretrain diffusion"),
+        (["model.path=tests"], "not a model directory"),
     ],
 )
 def test_bad_input_is_one_clear_error(model_dir, tmp_path, overrides, message):
