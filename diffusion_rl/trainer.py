@@ -243,7 +243,16 @@ def rollout_trees(
     sigmas = pipe.sigmas(plan.steps)
     trees = [RolloutTree(root_state={"key": 0, "records": []}) for _ in prompt_ids]
     rows = [(t, 0) for t in range(len(trees))]  # (tree index, node id)
-    root_keys = [NoiseKey(seed, step, prompt_ids[t], 0, plan.steps) for t in range(len(trees))]
+
+    # Noise is keyed by position on the full schedule (rollout.steps), so an exploration pass with
+    # fewer steps starts from the same initial noise as its full-step replay and draws the same noise
+    # at its split steps; the root's key uses rollout.steps, which is never a step index.
+    full_split = dict(zip(plan.split_steps, rollout.split_steps, strict=True))
+
+    def schedule_index(i: int) -> int:
+        return full_split.get(i, i * rollout.steps // plan.steps)
+
+    root_keys = [NoiseKey(seed, step, prompt_ids[t], 0, rollout.steps) for t in range(len(trees))]
     x = keyed_randn_batch(pipe.latent_shape(), root_keys, device=device) * initial_noise_std(sigmas[0])
     splits = set(plan.split_steps)
     evaluations = 0
@@ -266,7 +275,10 @@ def rollout_trees(
                     parent_rows.append(r)
             rows, x, v = new_rows, x[parent_rows], v[parent_rows]
         if plan.sde_mask[i]:
-            keys = [NoiseKey(seed, step, prompt_ids[t], trees[t].nodes[n].state["key"], i) for t, n in rows]
+            keys = [
+                NoiseKey(seed, step, prompt_ids[t], trees[t].nodes[n].state["key"], schedule_index(i))
+                for t, n in rows
+            ]
             noise = keyed_randn_batch(pipe.latent_shape(), keys, device=device)
             scale = rollout.noise_level * (rollout.split_noise_scale if i in splits else 1.0)
             out = sde_step(rollout.sde, v, x, sigmas[i], sigmas[i + 1], noise_scale=scale, noise=noise)

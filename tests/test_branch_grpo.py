@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusion_rl.models import FlowPipeline, TinyFlowSpec
-from diffusion_rl.sde import shifted_sigmas
+from diffusion_rl.sde import sde_step, shifted_sigmas
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer, ancestors, kendall_tau, plan_for, rollout_trees
 from mmrl.cli import load_plugins, main
@@ -90,6 +90,37 @@ def test_any_leaves_replay_exactly_from_their_keys(model_dir, tmp_path):
         torch.testing.assert_close(node.old_logp, original[node.state["key"]], rtol=0, atol=1e-5)
     _, other, _ = rollout(trainer, plan, step=1)
     assert not torch.equal(other, leaves)
+
+
+def test_fewer_step_exploration_shares_initial_and_split_noise_with_the_replay(model_dir, tmp_path):
+    trainer = trainer_for(model_dir, tmp_path)  # 8 steps, splits 0, 2, 4
+    few = plan_for(trainer.config.rollout, steps=4)  # splits 0, 1, 2
+    full_trees, _, _ = rollout(trainer, trainer.plan)
+    few_trees, _, _ = rollout(trainer, few)
+    cond = trainer.pipe.encode_prompts([trainer.prompts[3]])
+
+    def drawn_noise(record, steps):
+        sigmas = trainer.pipe.sigmas(steps)
+        v = trainer.pipe.velocity(record.x[None], sigmas[:1], cond)
+        out = sde_step(
+            "flow_grpo",
+            v,
+            record.x[None],
+            sigmas[0],
+            sigmas[1],
+            noise_scale=0.7,
+            prev_sample=record.x_next[None],
+        )
+        return (record.x_next - out.mean[0]) / out.std
+
+    first_full, first_few = (
+        full_trees[0].nodes[1].state["records"][0],
+        few_trees[0].nodes[1].state["records"][0],
+    )
+    assert torch.equal(first_full.x, first_few.x)  # the same initial noise
+    # and the same noise drawn at the split step 0, although the step sizes differ
+    torch.testing.assert_close(drawn_noise(first_full, 8), drawn_noise(first_few, 4), atol=1e-3, rtol=1e-3)
+    assert not torch.equal(first_full.x_next, first_few.x_next)
 
 
 def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path):
