@@ -247,7 +247,8 @@ def rollout_trees(
     # Noise is keyed by position on the full schedule (rollout.steps), so an exploration pass with
     # fewer steps starts from the same initial noise as its full-step replay and draws the same noise
     # at its split steps; the root's key uses rollout.steps, which is never a step index.
-    full_split = dict(zip(plan.split_steps, rollout.split_steps, strict=True))
+    same_splits = len(plan.split_steps) == len(rollout.split_steps)
+    full_split = dict(zip(plan.split_steps, rollout.split_steps, strict=True)) if same_splits else {}
 
     def schedule_index(i: int) -> int:
         return full_split.get(i, i * rollout.steps // plan.steps)
