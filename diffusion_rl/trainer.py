@@ -38,6 +38,7 @@ from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, REWARDS, TRAINERS, UnknownNameError
+from mmrl.samplers import UniformSampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree, depthwise_node_advantages, width_prune
 
@@ -69,6 +70,11 @@ class RolloutConfig:
     split_steps: list[int] = option([0, 3, 6, 9], "steps where every node branches (flat GRPO: [0])", min=0)
     branch_factor: int = option(2, "children per node at a split (flat GRPO: the group size)", min=2)
     split_noise_scale: float = option(1.0, "noise multiplier at split steps", min=0.0)
+    shared_initial_noise: bool = option(
+        True,
+        "children of a split at step 0 start from their parent's noise (DanceGRPO); false: each from its "
+        "own (Flow-GRPO), which costs one more model evaluation per child",
+    )
     sde_window: list[int] | None = option(None, "[start, end): SDE only there and at splits (Mix); null: all")
     reward_fusion: Literal["mean", "logprob_weighted"] = option("mean", "how a node's reward is fused")
 
@@ -102,6 +108,9 @@ class TrainConfig:
     adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
     kl_coef: float = option(0.0, "weight of the KL between policy and reference step means", min=0.0)
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    minibatches: int = option(
+        1, "optimizer steps per iteration, each on a shuffled share of the samples", min=1
+    )
     micro_batch: int = option(64, "denoising steps per forward/backward", min=1)
     nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
     ema_decay: float = option(
@@ -140,6 +149,11 @@ class BranchGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: rollout.split_steps = {r.split_steps} must be increasing and below "
                 f"rollout.steps = {r.steps}"
+            )
+        if not r.shared_initial_noise and r.split_steps[0] != 0:
+            raise ConfigError(
+                f"config error: rollout.shared_initial_noise = false needs a split at step 0 (the children "
+                f"that get their own initial noise), but rollout.split_steps = {r.split_steps}"
             )
         if r.sde == "ddim" and r.split_steps[-1] >= r.steps - 1:
             raise ConfigError(
@@ -229,7 +243,7 @@ def rollout_trees(
     pipe: FlowPipeline,
     cond: Conditioning,
     uncond: Conditioning,
-    prompt_ids: list[int],
+    tree_ids: list[int],
     plan: TreePlan,
     rollout: RolloutConfig,
     seed: int,
@@ -237,25 +251,46 @@ def rollout_trees(
     skeletons: list[set[int]] | None = None,
 ) -> tuple[list[RolloutTree], torch.Tensor, int]:
     """Denoise one tree per prompt; return the trees, the leaf latents (tree-major order) and the
-    number of model evaluations. A node's `state` holds its noise key and its `StepRecord`s; a
-    skeleton (a set of keys) restricts the tree to those nodes, for exact replays."""
+    number of model evaluations. `tree_ids` name the trees in their noise keys and must differ within
+    a step (a prompt drawn twice still gets two different trees). A node's `state` holds its noise
+    key and its `StepRecord`s; a skeleton (a set of keys) restricts the tree to those nodes, for exact
+    replays."""
     device = pipe.device
     sigmas = pipe.sigmas(plan.steps)
-    trees = [RolloutTree(root_state={"key": 0, "records": []}) for _ in prompt_ids]
+    trees = [RolloutTree(root_state={"key": 0, "records": []}) for _ in tree_ids]
     rows = [(t, 0) for t in range(len(trees))]  # (tree index, node id)
 
     # Noise is keyed by position on the full schedule (rollout.steps), so an exploration pass with
     # fewer steps starts from the same initial noise as its full-step replay and draws the same noise
-    # at its split steps; the root's key uses rollout.steps, which is never a step index.
+    # at its split steps. Initial noise is keyed by the node that starts from it (the root, or with
+    # `shared_initial_noise` off each child of the first split) and by rollout.steps, never a step index.
     same_splits = len(plan.split_steps) == len(rollout.split_steps)
     full_split = dict(zip(plan.split_steps, rollout.split_steps, strict=True)) if same_splits else {}
 
     def schedule_index(i: int) -> int:
         return full_split.get(i, i * rollout.steps // plan.steps)
 
-    root_keys = [NoiseKey(seed, step, prompt_ids[t], 0, rollout.steps) for t in range(len(trees))]
-    x = keyed_randn_batch(pipe.latent_shape(), root_keys, device=device) * initial_noise_std(sigmas[0])
+    def branch(parents: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+        """Add every node's children (those in the skeleton); return their rows and their parents'."""
+        new_rows, parent_rows = [], []
+        for r, (t, node) in enumerate(parents):
+            parent_key = trees[t].nodes[node].state["key"]
+            for c in range(plan.branch_factor):
+                key = plan.child_key(parent_key, c)
+                if skeletons is not None and key not in skeletons[t]:
+                    continue
+                new_rows.append((t, trees[t].add_child(node, state={"key": key, "records": []})))
+                parent_rows.append(r)
+        return new_rows, parent_rows
+
     splits = set(plan.split_steps)
+    if not rollout.shared_initial_noise:  # the split at step 0 happens before it, on the initial noise
+        rows, _ = branch(rows)
+        splits.discard(0)
+    initial_keys = [
+        NoiseKey(seed, step, tree_ids[t], trees[t].nodes[n].state["key"], rollout.steps) for t, n in rows
+    ]
+    x = keyed_randn_batch(pipe.latent_shape(), initial_keys, device=device) * initial_noise_std(sigmas[0])
     evaluations = 0
     for i in range(plan.steps):
         tree_index = [t for t, _ in rows]
@@ -264,24 +299,15 @@ def rollout_trees(
         )
         evaluations += len(rows)
         if i in splits:  # children share the parent's velocity at the split step
-            new_rows, parent_rows = [], []
-            for r, (t, node) in enumerate(rows):
-                parent_key = trees[t].nodes[node].state["key"]
-                for c in range(plan.branch_factor):
-                    key = plan.child_key(parent_key, c)
-                    if skeletons is not None and key not in skeletons[t]:
-                        continue
-                    child = trees[t].add_child(node, state={"key": key, "records": []})
-                    new_rows.append((t, child))
-                    parent_rows.append(r)
-            rows, x, v = new_rows, x[parent_rows], v[parent_rows]
+            rows, parent_rows = branch(rows)
+            x, v = x[parent_rows], v[parent_rows]
         if plan.sde_mask[i]:
             keys = [
-                NoiseKey(seed, step, prompt_ids[t], trees[t].nodes[n].state["key"], schedule_index(i))
+                NoiseKey(seed, step, tree_ids[t], trees[t].nodes[n].state["key"], schedule_index(i))
                 for t, n in rows
             ]
             noise = keyed_randn_batch(pipe.latent_shape(), keys, device=device)
-            scale = rollout.noise_level * (rollout.split_noise_scale if i in splits else 1.0)
+            scale = rollout.noise_level * (rollout.split_noise_scale if i in plan.split_steps else 1.0)
             out = sde_step(rollout.sde, v, x, sigmas[i], sigmas[i + 1], noise_scale=scale, noise=noise)
             for r, (t, n) in enumerate(rows):
                 trees[t].nodes[n].state["records"].append(
@@ -300,6 +326,13 @@ def rollout_trees(
 
 # ---------------------------------------------------------------------------------------------
 # Trainer
+
+
+def split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
+    """`items` cut into `parts` consecutive pieces whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
 def kendall_tau(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -384,20 +417,20 @@ class BranchGRPOTrainer(Trainer):
         self.ema = [p.detach().clone() for p in params] if cfg.train.ema_decay > 0 else None
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=0.0)
         self.model, self.optimizer = self.accelerator.prepare(self.pipe.denoiser, optimizer)
-        self.prompt_generator = torch.Generator().manual_seed(cfg.seed)
+        self.sampler = UniformSampler(len(self.prompts), seed=cfg.seed)
         self.nan_streak = 0
         self.skipped_steps = 0
         self.plan = plan_for(cfg.rollout)
         self.uncond_one = self.pipe.encode_prompts([""])
 
     def trainer_state(self) -> dict[str, Any]:
-        state = {"prompt_generator": self.prompt_generator.get_state(), "skipped_steps": self.skipped_steps}
+        state = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps}
         if self.ema is not None:
             state["ema"] = self.ema
         return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
-        self.prompt_generator.set_state(state["prompt_generator"])
+        self.sampler.load_state_dict(state["sampler"])
         self.skipped_steps = state["skipped_steps"]
         if self.ema is not None:
             for ema, saved in zip(self.ema, state["ema"], strict=True):
@@ -427,12 +460,14 @@ class BranchGRPOTrainer(Trainer):
 
     # -- one step -------------------------------------------------------------------------------
 
-    def pick_prompts(self) -> tuple[list[int], list[str]]:
+    def pick_prompts(self) -> tuple[list[int], list[int], list[str]]:
+        """This process's share of the step's prompts: their slots in the step's draw (unique across
+        processes, the trees' noise ids), their indices in the prompt list, and their texts."""
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         n = self.config.rollout.prompts_per_step
-        chosen = torch.randint(len(self.prompts), (n * world,), generator=self.prompt_generator).tolist()
-        mine = chosen[rank::world]
-        return mine, [self.prompts[i] for i in mine]
+        chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
+        slots = list(range(rank, n * world, world))
+        return slots, [chosen[s] for s in slots], [self.prompts[chosen[s]] for s in slots]
 
     def score(self, latents: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         from diffusion_rl.rewards import RewardServerError
@@ -447,17 +482,17 @@ class BranchGRPOTrainer(Trainer):
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
         started = time.perf_counter()
-        ids, prompts = self.pick_prompts()
+        slots, ids, prompts = self.pick_prompts()
         cond = self.pipe.encode_prompts(prompts)
         uncond = self.uncond_one[[0] * len(prompts)]
         metrics: dict[str, Any] = {}
         skeletons = None
         plan = self.plan
         if cfg.explore.enabled:
-            skeletons, plan, explore_metrics = self.explore(ids, prompts, cond, uncond, step)
+            skeletons, plan, explore_metrics = self.explore(slots, prompts, cond, uncond, step)
             metrics.update(explore_metrics)
         trees, leaves, evaluations = rollout_trees(
-            self.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, step, skeletons
+            self.pipe, cond, uncond, slots, plan, cfg.rollout, cfg.seed, step, skeletons
         )
         leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
         rewards, images = self.score(leaves, leaf_prompts)
@@ -472,7 +507,7 @@ class BranchGRPOTrainer(Trainer):
                 offset += 1
         advantages = self.node_advantages(trees, ids)
         samples = self.training_samples(trees, advantages, step)
-        loss_metrics = self.optimise(samples, cond, uncond)
+        loss_metrics = self.optimise(samples, cond, uncond, step)
         metrics.update(loss_metrics)
         metrics.update(
             reward=rewards.mean(),
@@ -488,14 +523,14 @@ class BranchGRPOTrainer(Trainer):
         return metrics
 
     def explore(
-        self, ids: list[int], prompts: list[str], cond: Conditioning, uncond: Conditioning, step: int
+        self, slots: list[int], prompts: list[str], cond: Conditioning, uncond: Conditioning, step: int
     ) -> tuple[list[set[int]], TreePlan, dict[str, Any]]:
         """Low-precision candidate pool; keep the best and worst leaves; return their skeletons."""
         cfg = self.config
         plan = plan_for(cfg.rollout, cfg.explore.steps, cfg.explore.branch_factor)
         with explore_precision(self.pipe.denoiser, cfg.explore.precision, cfg.explore.quantize_activations):
             trees, leaves, evaluations = rollout_trees(
-                self.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, step
+                self.pipe, cond, uncond, slots, plan, cfg.rollout, cfg.seed, step
             )
         leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
         rewards, _ = self.score(leaves, leaf_prompts)
@@ -577,53 +612,76 @@ class BranchGRPOTrainer(Trainer):
         return samples
 
     def optimise(
-        self, samples: list[tuple[int, StepRecord, float]], cond: Conditioning, uncond: Conditioning
+        self,
+        samples: list[tuple[int, StepRecord, float]],
+        cond: Conditioning,
+        uncond: Conditioning,
+        step: int,
     ) -> dict[str, Any]:
-        """One optimizer step: PPO-clip over all samples, accumulated over micro-batches."""
+        """PPO-clip over all samples: shuffled (keyed by seed and step, so resumes are exact) and split
+        into `train.minibatches` optimizer steps, each accumulated over micro-batches. Every mini-batch
+        after the first is off-policy, which is where the ratio clip acts."""
         cfg = self.config
         if not samples:
             return {"loss": 0.0}
+        order = torch.randperm(
+            len(samples), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        ).tolist()
+        shuffled = [samples[i] for i in order]
+        minibatches = [part for part in split_evenly(shuffled, cfg.train.minibatches) if part]
         sigmas = self.pipe.sigmas(cfg.rollout.steps)
-        self.optimizer.zero_grad(set_to_none=True)
-        total, stats, finite = len(samples), [], True
         split_steps = set(self.plan.split_steps)
-        for start in range(0, total, cfg.train.micro_batch):
-            chunk = samples[start : start + cfg.train.micro_batch]
-            old = torch.tensor([r.old_logp for _, r, _ in chunk], device=self.pipe.device)
-            adv = torch.tensor([a for _, _, a in chunk], device=self.pipe.device)
-            out = self.chunk_log_probs(self.model, chunk, cond, uncond, sigmas, split_steps)
-            result = ppo_clip(
-                out.log_prob,
-                old,
-                adv,
-                clip_low=cfg.train.clip_low,
-                clip_high=cfg.train.clip_high,
-                adv_clip=cfg.train.adv_clip,
-            )
-            loss = result.loss
-            if self.reference is not None:
+        stats, grad_norms = [], []
+        for minibatch in minibatches:
+            self.optimizer.zero_grad(set_to_none=True)
+            for start in range(0, len(minibatch), cfg.train.micro_batch):
+                chunk = minibatch[start : start + cfg.train.micro_batch]
+                old = torch.tensor([r.old_logp for _, r, _ in chunk], device=self.pipe.device)
+                adv = torch.tensor([a for _, _, a in chunk], device=self.pipe.device)
+                out = self.chunk_log_probs(self.model, chunk, cond, uncond, sigmas, split_steps)
+                result = ppo_clip(
+                    out.log_prob,
+                    old,
+                    adv,
+                    clip_low=cfg.train.clip_low,
+                    clip_high=cfg.train.clip_high,
+                    adv_clip=cfg.train.adv_clip,
+                )
+                loss = result.loss
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = self.chunk_log_probs(self.reference, chunk, cond, uncond, sigmas, split_steps)
+                    kl = gaussian_kl_same_std(out.mean, ref.mean, out.std).mean()
+                    loss = loss + cfg.train.kl_coef * kl
+                if not self.all_finite(loss, out.log_prob):
+                    return self.skip_step("non-finite loss or log-prob")
+                self.accelerator.backward(loss * len(chunk) / len(minibatch))
+                stats.append((len(chunk), result.metrics, float(loss.detach())))
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
+            if not torch.isfinite(torch.as_tensor(grad_norm)):
+                return self.skip_step("non-finite gradient")
+            self.optimizer.step()
+            grad_norms.append(float(grad_norm))
+            if self.ema is not None:
                 with torch.no_grad():
-                    ref = self.chunk_log_probs(self.reference, chunk, cond, uncond, sigmas, split_steps)
-                kl = gaussian_kl_same_std(out.mean, ref.mean, out.std).mean()
-                loss = loss + cfg.train.kl_coef * kl
-            if not torch.isfinite(loss) or not torch.isfinite(out.log_prob).all():
-                finite = False
-                break
-            self.accelerator.backward(loss * len(chunk) / total)
-            stats.append((len(chunk), result.metrics, float(loss.detach())))
-        if not finite:
-            return self.skip_step("non-finite loss or log-prob")
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
-        if not torch.isfinite(torch.as_tensor(grad_norm)):
-            return self.skip_step("non-finite gradient")
-        self.optimizer.step()
+                    for ema, p in zip(self.ema, self.trained_params, strict=True):
+                        ema.lerp_(p, 1 - cfg.train.ema_decay)
         self.nan_streak = 0
-        if self.ema is not None:
-            with torch.no_grad():
-                for ema, p in zip(self.ema, self.trained_params, strict=True):
-                    ema.lerp_(p, 1 - cfg.train.ema_decay)
+        total = sum(n for n, _, _ in stats)
         merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
-        return {"loss": sum(n * value for n, _, value in stats) / total, "grad_norm": grad_norm, **merged}
+        return {
+            "loss": sum(n * value for n, _, value in stats) / total,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            **merged,
+        }
+
+    def all_finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether every process's tensors are finite, so that all processes skip a step together
+        (a process that skipped alone would leave the others waiting in the gradient all-reduce)."""
+        bad = torch.tensor(
+            [float(not all(torch.isfinite(t).all() for t in tensors))], device=self.pipe.device
+        )
+        return float(self.accelerator.reduce(bad, reduction="sum")) == 0.0
 
     def chunk_log_probs(
         self,

@@ -71,6 +71,22 @@ def test_tree_shape_and_model_evaluations(model_dir, tmp_path):
     flat.split_steps, flat.sde_mask = [0], [True] * 20
     _, _, flat_nfe = rollout(trainer, flat)
     assert flat_nfe / 2 == 1 + 16 * 19  # flat groups share only the first evaluation
+    trainer.config.rollout.shared_initial_noise = False  # Flow-GRPO: every sample its own initial noise
+    independent, leaves, independent_nfe = rollout(trainer, flat)
+    assert independent_nfe / 2 == 16 * 20
+    assert [len(t.leaves()) for t in independent] == [16, 16]
+    starts = torch.stack([independent[0].nodes[n].state["records"][0].x for n in independent[0].leaves()])
+    assert len(torch.unique(starts.flatten(1), dim=0)) == 16
+
+
+def test_independent_initial_noise_replays_exactly(model_dir, tmp_path):
+    trainer = trainer_for(model_dir, tmp_path, "rollout.shared_initial_noise=false")
+    plan = trainer.plan
+    trees, leaves, nfe = rollout(trainer, plan)
+    assert nfe / 2 == 2 * 2 + 2 + 4 * 1 + 4 + 8 * 3  # the root is never evaluated; 2 children from step 0
+    keys = [trees[0].nodes[n].state["key"] for n in trees[0].leaves()]
+    replay, replay_leaves, _ = rollout(trainer, plan, skeletons=[ancestors(plan, keys[5:6])] * 2)
+    torch.testing.assert_close(replay_leaves[0], leaves[5], rtol=0, atol=1e-5)
 
 
 def test_any_leaves_replay_exactly_from_their_keys(model_dir, tmp_path):
@@ -156,6 +172,25 @@ def test_training_steps_change_the_model_and_log(model_dir, tmp_path):
     assert all(torch.isfinite(torch.as_tensor(float(v))) for k, v in metrics.items() if k != "loss")
     after = list(trainer.pipe.denoiser.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_minibatches_take_several_optimizer_steps_off_policy(model_dir, tmp_path):
+    def run(run_dir, minibatches):
+        trainer = trainer_for(
+            model_dir, run_dir, "train.lr=1e-3", f"train.minibatches={minibatches}", "train.micro_batch=8"
+        )
+        metrics = trainer.train_step(0)
+        steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
+        return metrics, steps, [p.detach().clone() for p in trainer.pipe.denoiser.parameters()]
+
+    one, one_steps, _ = run(tmp_path / "a", 1)
+    three, three_steps, weights = run(tmp_path / "b", 3)
+    assert (one_steps, three_steps) == ({1}, {3})
+    assert one["clip_fraction"] == 0.0 and one["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    # after the first update the stored log-probs are off-policy: ratios move and the tight clip acts
+    assert three["clip_fraction"] > 0.0 and three["ratio_max"] > 1.0 + 1e-4
+    _, _, again = run(tmp_path / "c", 3)  # the shuffle is keyed by (seed, step): a rerun is identical
+    assert all(torch.equal(a, b) for a, b in zip(weights, again, strict=True))
 
 
 def test_ema_weights_evaluate_and_are_saved_and_live_weights_survive(model_dir, tmp_path):
@@ -290,6 +325,7 @@ def test_reward_server_down_stops_cleanly(model_dir, tmp_path, monkeypatch):
         (["rollout.image_size=18"], "multiple of 4"),
         (["reward.name=clip_scor"], "did you mean 'clip_score'"),
         (["rollout.split_steps=[0,30]"], "below rollout.steps"),
+        (["rollout.split_steps=[2,4]", "rollout.shared_initial_noise=false"], "needs a split at step 0"),
         (["model.path=/nonexistent/model"], "mmrl pretrain diffusion"),
         (["model.path=tests"], "not a model directory"),
     ],
@@ -335,3 +371,28 @@ def test_periodic_evaluation_and_comparison_plot(model_dir, tmp_path):
     assert png.stat().st_size > 10_000
     assert main(["report", runs[0], str(tmp_path / "missing"), "--compare", str(png)]) == 2
     assert main(["report", *runs]) == 2  # several runs need --compare
+
+
+def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    common = [
+        "rollout.prompts_per_step=1",
+        "rollout.steps=4",
+        "rollout.split_steps=[0,2]",
+        "train.minibatches=2",
+        "train.ema_decay=0.5",
+        "checkpoint_every=2",
+    ]
+
+    def run(run_dir, steps, *extra):
+        trainer = trainer_for(model_dir, run_dir, *common, f"steps={steps}", *extra)
+        trainer.train()
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        final = FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+        return [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows], final
+
+    straight_rows, straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "stopped", 2)
+    resumed_rows, resumed = run(tmp_path / "stopped", 4, "resume=true")
+    assert resumed_rows == straight_rows
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
