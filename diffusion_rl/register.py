@@ -1,3 +1,4 @@
-"""Entry point `mmrl.plugins`: importing this registers diffusion_rl's trainers, rewards and benches."""
+"""Entry point `mmrl.plugins`: importing this registers diffusion_rl's trainers, rewards, benches and
+evaluator."""
 
-from diffusion_rl import alignment, bench, pretrain, rewards, trainer  # noqa: F401
+from diffusion_rl import alignment, bench, evaluate, pretrain, rewards, trainer  # noqa: F401

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import entry_points
 
 from mmrl.config import ConfigError, list_recipes, load_config
-from mmrl.registry import ALL_REGISTRIES, BENCHES, TRAINERS, UnknownNameError
+from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, TRAINERS, UnknownNameError
 from mmrl.trainer import TrainingStopped
 
 BUILTIN_MODULES = (
@@ -64,11 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser(
         "eval",
-        help="evaluate a run's newest checkpoint on held-out data",
-        description="Load the newest good checkpoint in the recipe's output_dir and "
-        "print its held-out metrics as JSON.",
+        help="evaluate models side by side, or a run's newest checkpoint on held-out data",
+        description="With an evaluator name (`mmrl list` shows them; e.g. `mmrl eval diffusion "
+        "models=[A,B] seeds=4`), evaluate models side by side. With a recipe, load the newest good "
+        "checkpoint in its output_dir and print its held-out metrics as JSON.",
     )
-    evaluate.add_argument("config", help="recipe name or YAML path of the run")
+    evaluate.add_argument("config", help="evaluator name, or recipe name or YAML path of the run")
     evaluate.add_argument("overrides", nargs="*", help="key=value overrides (e.g. output_dir=...)")
 
     bench = sub.add_parser(
@@ -128,6 +129,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.config in EVALUATORS:
+        EVALUATORS.get(args.config)(list(args.overrides))
+        return 0
     config = load_config(args.config, list(args.overrides))
     print(json.dumps(TRAINERS.get(config.trainer)(config).evaluate_checkpoint()))
     return 0

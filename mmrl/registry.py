@@ -77,3 +77,6 @@ PRECISIONS: Registry[Callable] = Registry("precision", "weight precisions for ex
 REWARDS: Registry[Callable] = Registry("reward", "reward functions")
 TRAINERS: Registry[type] = Registry("trainer", "trainers, each with its config dataclass")
 BENCHES: Registry[Callable] = Registry("bench", "benchmarks run by `mmrl bench NAME`")
+EVALUATORS: Registry[Callable] = Registry(
+    "evaluator", "model evaluations run by `mmrl eval NAME key=value ...`"
+)

@@ -1,0 +1,179 @@
+"""`mmrl eval diffusion`: several models side by side on one fixed set of prompts and seeds.
+
+Every model draws the same images' noise (keyed by seed and prompt index), so differences between
+models are paired: the table gives each model's mean per reward and, against the first model, the
+mean paired difference with its standard error and how many prompts got better or worse. Results
+go to ``OUTPUT_DIR/eval_diffusion.json`` and a labelled image grid (rows: models, columns: the first
+prompts) to ``OUTPUT_DIR/grid.png``.
+
+    mmrl eval diffusion "models=[diffusion_rl/assets/tiny_flow,runs/diffusion/branchgrpo/final]" seeds=4
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusion_rl.models import FlowPipeline
+from diffusion_rl.sampling import sample_ode
+from diffusion_rl.shapes import heldout_prompts, train_prompts
+from diffusion_rl.trainer import load_prompts, resolve_model_path
+from mmrl.config import ConfigError, apply_overrides, build, option
+from mmrl.registry import EVALUATORS, REWARDS, UnknownNameError
+
+BETTER_BY = 0.01  # a prompt counts as better / worse when its mean reward moves by more than this
+
+
+@dataclass
+class DiffusionEvalConfig:
+    models: list[str] = option([], "model directories; paired differences are taken against the first")
+    prompts: str = option("heldout", "'heldout' or 'train' (the shapes splits), or a file of prompts")
+    num_prompts: int | None = option(None, "use the first N prompts of the set (null: all)", min=1)
+    seeds: int = option(1, "images per prompt, each from its own noise", min=1)
+    seed: int = option(0, "first noise seed; image s of prompt i uses seed + s", min=0)
+    steps: int = option(20, "ODE sampling steps", min=1)
+    guidance_scale: float = option(3.0, "classifier-free guidance", min=1.0)
+    rewards: list[str] = option(["geneval_mini"], "rewards to score every image with (see `mmrl list`)")
+    grid_prompts: int = option(8, "prompts shown in grid.png (seed 0 of each)", min=0)
+    output_dir: str = option("runs/eval/diffusion", "where eval_diffusion.json and grid.png go")
+
+
+def prompt_set(name: str) -> list[str]:
+    if name == "heldout":
+        return heldout_prompts()
+    if name == "train":
+        return train_prompts()
+    return load_prompts(name)
+
+
+def paired(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
+    """Mean paired difference (other - reference) over prompts, its standard error, better / worse."""
+    diff = other - reference
+    se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    return {
+        "diff": float(diff.mean()),
+        "se": se,
+        "better": int((diff > BETTER_BY).sum()),
+        "worse": int((diff < -BETTER_BY).sum()),
+    }
+
+
+def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
+    """Sample every model on the same prompts and noise; score with every reward; compare to the first."""
+    if not cfg.models:
+        raise ConfigError(
+            "config error: models is empty; pass models=[DIR,DIR,...] (the first is the reference)"
+        )
+    if len(set(cfg.models)) != len(cfg.models):
+        twice = next(m for m in cfg.models if cfg.models.count(m) > 1)
+        raise ConfigError(f"config error: models lists {twice!r} twice; give each model once")
+    prompts = prompt_set(cfg.prompts)[: cfg.num_prompts]
+    reward_fns = {}
+    for name in cfg.rewards:
+        try:
+            reward_fns[name] = REWARDS.get(name)()
+        except UnknownNameError as err:
+            raise ConfigError(f"config error: rewards: {err}") from None
+    repeated = [p for p in prompts for _ in range(cfg.seeds)]
+    per_model: dict[str, dict[str, torch.Tensor]] = {}
+    grids = []
+    for model in cfg.models:
+        pipe = FlowPipeline.from_pretrained(resolve_model_path(model))
+        # image s of every prompt shares noise seed `seed + s` across models: the comparison is paired
+        images = torch.stack(
+            [
+                sample_ode(pipe, prompts, cfg.steps, cfg.guidance_scale, cfg.seed + s)
+                for s in range(cfg.seeds)
+            ],
+            dim=1,
+        )  # [prompts, seeds, 3, H, W]
+        grids.append(images[: cfg.grid_prompts, 0])
+        flat = images.flatten(0, 1)
+        scores = {}
+        for name, fn in reward_fns.items():
+            try:
+                values = fn(flat, prompts=repeated).float()
+            except ValueError as err:
+                raise ConfigError(
+                    f"config error: reward {name!r} cannot score these prompts: {err}"
+                ) from None
+            scores[name] = values.view(len(prompts), cfg.seeds).mean(dim=1)
+        per_model[model] = scores
+
+    reference = per_model[cfg.models[0]]
+    results: dict[str, Any] = {
+        "prompts": cfg.prompts,
+        "num_prompts": len(prompts),
+        "seeds": cfg.seeds,
+        "steps": cfg.steps,
+        "guidance_scale": cfg.guidance_scale,
+        "models": {},
+    }
+    for model, scores in per_model.items():
+        entry = {}
+        for name, values in scores.items():
+            entry[name] = {"mean": float(values.mean())}
+            if model != cfg.models[0]:
+                entry[name].update(paired(reference[name], values))
+        results["models"][model] = entry
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval_diffusion.json").write_text(json.dumps(results, indent=1))
+    if cfg.grid_prompts:
+        save_labelled_grid(grids, cfg.models, prompts[: cfg.grid_prompts], out / "grid.png")
+    return results
+
+
+def save_labelled_grid(rows: list[torch.Tensor], labels: list[str], prompts: list[str], path: Path) -> None:
+    """One row of images per model, each column one prompt (titled)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = len(prompts)
+    fig, axes = plt.subplots(
+        len(rows), columns, figsize=(1.4 * columns, 1.5 * len(rows)), squeeze=False, constrained_layout=True
+    )
+    for r, (images, label) in enumerate(zip(rows, labels, strict=True)):
+        for c in range(columns):
+            ax = axes[r][c]
+            ax.imshow(images[c].permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(prompts[c], fontsize=6, wrap=True)
+            if c == 0:
+                ax.set_ylabel("/".join(Path(label).parts[-2:]), fontsize=6)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['num_prompts']} {results['prompts']} prompts x {results['seeds']} seeds, "
+        f"{results['steps']} ODE steps, guidance {results['guidance_scale']}"
+    ]
+    for model, entry in results["models"].items():
+        for name, stats in entry.items():
+            text = f"  {model:<48} {name:<16} {stats['mean']:.4f}"
+            if "diff" in stats:
+                text += (
+                    f"   {stats['diff']:+.4f} +- {stats['se']:.4f} vs the first"
+                    f"   better/worse {stats['better']}/{stats['worse']}"
+                )
+            lines.append(text)
+    return "\n".join(lines)
+
+
+@EVALUATORS.register("diffusion")
+def eval_diffusion(overrides: list[str]) -> dict[str, Any]:
+    cfg = build(DiffusionEvalConfig, apply_overrides({}, overrides))
+    results = evaluate_models(cfg)
+    print(format_table(results))
+    return results
