@@ -1,0 +1,636 @@
+"""The tiny default task for learning *when* to zoom: multiple-choice questions about a large image.
+
+Each example is one high-resolution canvas (448x448 by default) on a dark background with 1-3
+LARGE shapes (21-40 % of the side across) and 3-6 SMALL objects (2-3.5 %, 9-16 px at 448). A model
+first sees a downscaled overview (e.g. 112x112), where a small object is a 2-4 px blob, and may crop
+a region, which it then sees at the same view size (a 3x scale-up: the object is 7-12 px there).
+
+Questions have 4 options (letters A-D), one of them right:
+
+- global ("global_colour", "global_shape"): the colour or shape of a large shape, readable from the
+  overview, so a crop is wasted effort ("What colour is the large triangle?");
+- detail ("detail_shape"): the shape of the small object in one cell of a 3x3 grid of regions
+  ("What shape is the small object in the top-left region of the image?"). It is a blob in the
+  overview and clear in a crop of its region. There is no detail colour question: a blob's colour
+  stays readable in the overview, so such a question would not need a zoom.
+
+`readability` checks both claims with two fixed nearest-template readers (no learning), told the
+object's colour and where it is. The silhouette reader (the pixels a view shows at least half covered)
+reads a small object's shape at about chance from the overview (0.28) and reliably from a crop (0.99).
+The matched reader, which inverts the known drawing and resizing, reads it from the overview as well
+(1.0): the noise-free overview still holds the shape in its grey levels, so a model could in
+principle learn to answer detail questions without a zoom. Large shapes read perfectly from the
+overview with either.
+
+Scene rules (fractions of the side, x from the left, y from the top):
+
+- the four shapes of one size have equal areas, so at low resolution a blob's mass does not give its
+  shape away; `size` is the diameter of the circle of that area;
+- every small object lies inside one region, at least 0.02 from its edges, and each region holds at
+  most one small object, so "the small object in the <region>" names exactly one object;
+- no two objects' bounding boxes come closer than 0.03 (large ones stay 0.02 from the border);
+- the large shapes of one image have distinct colours and distinct shapes, so a question can name
+  one of several by its other attribute ("the large red object").
+
+Splits: `heldout_pairs(heldout_seed)` picks 4 colour-shape pairs (distinct colours, distinct shapes).
+A train image has no large shape of a held-out pair; a held-out image has at least one, and its
+global questions are about one. No held-out image can thus equal a train image, and held-out global
+questions ask about colour-shape combinations never seen large in training. The splits also draw from
+separate seed spaces. Small objects take any colour and shape in both splits.
+
+Every example is a pure function of (split, seed, index, config): `make_example` regenerates any one
+alone, and its image is drawn on access (a few ms) rather than stored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from PIL import Image
+
+Box = tuple[float, float, float, float]  # (x1, y1, x2, y2), fractions of the image side
+
+COLOURS: dict[str, tuple[float, float, float]] = {
+    "red": (0.90, 0.16, 0.16),
+    "green": (0.18, 0.78, 0.22),
+    "blue": (0.20, 0.36, 0.95),
+    "yellow": (0.95, 0.88, 0.18),
+    "purple": (0.62, 0.24, 0.86),
+    "white": (0.94, 0.94, 0.94),
+}
+BACKGROUND = (0.12, 0.12, 0.12)
+SHAPES = ("circle", "square", "triangle", "cross")
+LETTERS = "ABCD"
+SPLITS = ("train", "heldout")
+CATEGORIES = ("global_colour", "global_shape", "detail_shape")
+FULL_BOX: Box = (0.0, 0.0, 1.0, 1.0)
+_REGION_NAMES = (
+    "top-left",
+    "top",
+    "top-right",
+    "left",
+    "center",
+    "right",
+    "bottom-left",
+    "bottom",
+    "bottom-right",
+)
+REGIONS: dict[str, Box] = {
+    name: ((i % 3) / 3, (i // 3) / 3, (i % 3 + 1) / 3, (i // 3 + 1) / 3)
+    for i, name in enumerate(_REGION_NAMES)
+}
+
+LARGE_SIZE = (0.24, 0.32)  # equal-area circle diameter, fraction of the side
+SMALL_SIZE = (0.022, 0.028)
+LARGE_COUNT = (1, 3)
+SMALL_COUNT = (3, 6)
+_GAP = 0.03  # least distance between the bounding boxes of two objects
+_BORDER = 0.02  # least distance from a large shape to the image border
+_CELL_MARGIN = 0.02  # least distance from a small object to the edges of its region
+_HELDOUT_PAIR_COUNT = 4
+_CROSS_ARM = 0.36  # half-width of a cross's bar, relative to its half-extent
+# half-extent of each shape relative to the radius of the circle of equal area
+_HALF_EXTENT = {
+    "circle": 1.0,
+    "square": math.sqrt(math.pi) / 2,
+    "triangle": math.sqrt(math.pi / 2),  # base and height both twice the half-extent
+    "cross": math.sqrt(math.pi / (8 * _CROSS_ARM - 4 * _CROSS_ARM**2)),
+}
+_RESAMPLE = Image.Resampling.BICUBIC
+_COLOUR_LABELS = {name: i + 1 for i, name in enumerate(COLOURS)}
+_PALETTE = [round(255 * v) for colour in (BACKGROUND, *COLOURS.values()) for v in colour]
+_SUBSAMPLES = 4  # per pixel side, when the silhouette reader draws its templates
+# a template pixel is in the silhouette from this fraction covered: resizing blurs edges, so a pixel
+# must be mostly covered to reach coverage 0.5 in a view (set for the best crop accuracy, of 0.3-0.7)
+_TEMPLATE_FILL = 0.7
+
+
+class SceneObject(NamedTuple):
+    colour: str
+    shape: str
+    x: float  # centre of the bounding box
+    y: float
+    size: float  # diameter of the circle of equal area, fraction of the side
+    large: bool
+
+    @property
+    def box(self) -> Box:
+        """The object's bounding box: every pixel it covers lies inside."""
+        h = _HALF_EXTENT[self.shape] * self.size / 2
+        return (self.x - h, self.y - h, self.x + h, self.y + h)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    canvas_size: int = 448
+    detail_fraction: float = 0.3  # chance that an example asks a detail (zoom) question
+    heldout_seed: int = 0  # picks the held-out colour-shape pairs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.canvas_size, int) or self.canvas_size < 32:
+            raise ValueError(f"canvas_size must be an int >= 32, got {self.canvas_size!r}")
+        if not 0.0 <= self.detail_fraction <= 1.0:
+            raise ValueError(f"detail_fraction must be in [0, 1], got {self.detail_fraction!r}")
+
+
+@dataclass(frozen=True)
+class ZoomExample:
+    """One question about one canvas; `image` is drawn from `objects` on each access."""
+
+    id: str
+    question: str
+    options: tuple[str, ...]
+    answer: str  # a letter of LETTERS
+    kind: str  # "global" or "detail"
+    category: str  # one of CATEGORIES
+    target_box: Box  # detail: the region to crop; global: the large shape's bounding box
+    target: int  # index in `objects` of the object the question is about
+    objects: tuple[SceneObject, ...]
+    canvas_size: int
+
+    @property
+    def needs_zoom(self) -> bool:
+        return self.kind == "detail"
+
+    @property
+    def answer_text(self) -> str:
+        return self.options[LETTERS.index(self.answer)]
+
+    @property
+    def image(self) -> Image.Image:
+        return render(self.objects, self.canvas_size)
+
+
+def heldout_pairs(seed: int = 0) -> list[tuple[str, str]]:
+    """Colour-shape pairs never shown large in training: 4 pairs of distinct colours and shapes."""
+    rng = np.random.default_rng(seed)
+    colours = rng.permutation(list(COLOURS))[:_HELDOUT_PAIR_COUNT]
+    shapes = rng.permutation(list(SHAPES))[:_HELDOUT_PAIR_COUNT]
+    return sorted((str(c), str(s)) for c, s in zip(colours, shapes, strict=True))
+
+
+def region_of(x: float, y: float) -> str:
+    """The name of the 3x3-grid region that holds the point (x, y)."""
+    column, row = min(int(x * 3), 2), min(int(y * 3), 2)
+    return _REGION_NAMES[3 * row + column]
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples
+
+
+def make_examples(
+    n: int, seed: int = 0, split: str = "train", config: TaskConfig | None = None, start: int = 0
+) -> list[ZoomExample]:
+    """Examples start .. start + n - 1 of a split; each equals `make_example(index, seed, split, config)`."""
+    return [make_example(index, seed, split, config) for index in range(start, start + n)]
+
+
+def make_example(
+    index: int, seed: int = 0, split: str = "train", config: TaskConfig | None = None
+) -> ZoomExample:
+    """Example `index` of a split, the same whenever it is asked for (the scene does not depend on
+    detail_fraction, only the question does)."""
+    config = config or TaskConfig()
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    if index < 0 or seed < 0:
+        raise ValueError(f"index and seed must be >= 0, got index={index}, seed={seed}")
+    rng = np.random.default_rng([SPLITS.index(split), seed, index])
+    held_out = set(heldout_pairs(config.heldout_seed))
+    objects = _sample_scene(rng, split, held_out)
+    detail = rng.random() < config.detail_fraction
+    if detail:
+        target = int(rng.choice([i for i, obj in enumerate(objects) if not obj.large]))
+        region = region_of(objects[target].x, objects[target].y)
+        question = f"What shape is the small object in the {region} region of the image?"
+        category, truth, target_box = "detail_shape", objects[target].shape, REGIONS[region]
+    else:
+        candidates = [
+            i
+            for i, obj in enumerate(objects)
+            if obj.large and (split == "train" or (obj.colour, obj.shape) in held_out)
+        ]
+        target = int(rng.choice(candidates))
+        category, question, truth = _global_question(objects, target, rng)
+        target_box = objects[target].box
+    family = list(COLOURS) if category == "global_colour" else list(SHAPES)
+    wrong = rng.choice([value for value in family if value != truth], size=3, replace=False)
+    options = tuple(str(option) for option in rng.permutation([truth, *wrong]))
+    return ZoomExample(
+        id=f"zoom-{split}-{seed}-{index:06d}",
+        question=question,
+        options=options,
+        answer=LETTERS[options.index(truth)],
+        kind="detail" if detail else "global",
+        category=category,
+        target_box=target_box,
+        target=target,
+        objects=objects,
+        canvas_size=config.canvas_size,
+    )
+
+
+def _global_question(
+    objects: tuple[SceneObject, ...], target: int, rng: np.random.Generator
+) -> tuple[str, str, str]:
+    """(category, question, true answer) about a large shape, naming it by its other attribute
+    when the image has more than one."""
+    obj = objects[target]
+    alone = sum(o.large for o in objects) == 1
+    if rng.random() < 0.5:
+        name = "shape" if alone else obj.shape
+        return "global_colour", f"What colour is the large {name}?", obj.colour
+    name = "object" if alone else f"{obj.colour} object"
+    return "global_shape", f"What shape is the large {name}?", obj.shape
+
+
+def _sample_scene(
+    rng: np.random.Generator, split: str, held_out: set[tuple[str, str]]
+) -> tuple[SceneObject, ...]:
+    while True:  # start afresh when the large shapes leave no room
+        large = _place_large(rng, _large_kinds(rng, split, held_out))
+        small = _place_small(rng, large) if large else ()
+        if small:
+            return large + small
+
+
+def _large_kinds(
+    rng: np.random.Generator, split: str, held_out: set[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Distinct colours and shapes; a held-out pair among them exactly when the split is held out."""
+    while True:
+        n = int(rng.integers(LARGE_COUNT[0], LARGE_COUNT[1] + 1))
+        colours = rng.choice(list(COLOURS), size=n, replace=False)
+        shapes = rng.choice(SHAPES, size=n, replace=False)
+        kinds = [(str(c), str(s)) for c, s in zip(colours, shapes, strict=True)]
+        if any(kind in held_out for kind in kinds) == (split == "heldout"):
+            return kinds
+
+
+def _place_large(rng: np.random.Generator, kinds: list[tuple[str, str]]) -> tuple[SceneObject, ...]:
+    """Large shapes at random places, apart from each other; () when one finds no room."""
+    placed: list[SceneObject] = []
+    for colour, shape in kinds:
+        size = float(rng.uniform(*LARGE_SIZE))
+        h = _HALF_EXTENT[shape] * size / 2
+        for _ in range(50):
+            x, y = rng.uniform(h + _BORDER, 1 - h - _BORDER, size=2)
+            obj = SceneObject(colour, shape, float(x), float(y), size, True)
+            if not any(_near(obj, other) for other in placed):
+                placed.append(obj)
+                break
+        else:
+            return ()
+    return tuple(placed)
+
+
+def _place_small(rng: np.random.Generator, large: tuple[SceneObject, ...]) -> tuple[SceneObject, ...]:
+    """At most one small object per chosen region, inside it and apart from the large shapes; a region
+    too crowded by large shapes is left empty."""
+    placed: list[SceneObject] = []
+    for cell in rng.choice(
+        len(_REGION_NAMES), size=int(rng.integers(SMALL_COUNT[0], SMALL_COUNT[1] + 1)), replace=False
+    ):
+        colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
+        size = float(rng.uniform(*SMALL_SIZE))
+        h = _HALF_EXTENT[shape] * size / 2
+        x1, y1, x2, y2 = REGIONS[_REGION_NAMES[cell]]
+        for _ in range(20):
+            x = float(rng.uniform(x1 + _CELL_MARGIN + h, x2 - _CELL_MARGIN - h))
+            y = float(rng.uniform(y1 + _CELL_MARGIN + h, y2 - _CELL_MARGIN - h))
+            obj = SceneObject(colour, shape, x, y, size, False)
+            if not any(_near(obj, other) for other in large):
+                placed.append(obj)
+                break
+    return tuple(placed)
+
+
+def _near(a: SceneObject, b: SceneObject) -> bool:
+    """Whether the bounding boxes of two objects come closer than the gap."""
+    (ax1, ay1, ax2, ay2), (bx1, by1, bx2, by2) = a.box, b.box
+    return ax1 < bx2 + _GAP and bx1 < ax2 + _GAP and ay1 < by2 + _GAP and by1 < ay2 + _GAP
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawing and views
+
+
+def render(objects: Sequence[SceneObject], canvas_size: int = 448) -> Image.Image:
+    """The scene as an RGB image (hard-edged masks, drawn only inside each object's box)."""
+    labels = np.zeros((canvas_size, canvas_size), dtype=np.uint8)  # 0: background, i: colour i - 1
+    for obj in objects:
+        x1, y1, x2, y2 = (min(max(v * canvas_size, 0), canvas_size) for v in obj.box)
+        left, top, right, bottom = int(x1), int(y1), math.ceil(x2), math.ceil(y2)
+        dx = (np.arange(left, right) + 0.5) / canvas_size - obj.x
+        dy = (np.arange(top, bottom) + 0.5) / canvas_size - obj.y
+        mask = _shape_mask(obj.shape, dx[None, :], dy[:, None], obj.size / 2)
+        labels[top:bottom, left:right][mask] = _COLOUR_LABELS[obj.colour]
+    image = Image.fromarray(labels, mode="P")
+    image.putpalette(_PALETTE)
+    return image.convert("RGB")
+
+
+def view(image: Image.Image, box: Box = FULL_BOX, size: int = 112) -> Image.Image:
+    """What a model sees of a normalised box of the image: that part, resized (bicubic, antialiased)
+    so that its longer side is `size` pixels. The whole box gives the overview."""
+    x1, y1, x2, y2 = box
+    if not 0 <= x1 < x2 <= 1 or not 0 <= y1 < y2 <= 1:
+        raise ValueError(f"box must satisfy 0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1, got {box}")
+    width, height = image.size
+    pixels = (x1 * width, y1 * height, x2 * width, y2 * height)
+    scale = size / max(pixels[2] - pixels[0], pixels[3] - pixels[1])
+    out = (max(1, round((pixels[2] - pixels[0]) * scale)), max(1, round((pixels[3] - pixels[1]) * scale)))
+    return image.resize(out, _RESAMPLE, box=pixels)
+
+
+def _shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, radius: float) -> np.ndarray:
+    """Pixels inside a shape of equal-area radius `radius`, from their offsets to its box centre."""
+    h = _HALF_EXTENT[shape] * radius
+    if shape == "circle":
+        return dx**2 + dy**2 <= h**2
+    if shape == "square":
+        return (np.abs(dx) <= h) & (np.abs(dy) <= h)
+    if shape == "triangle":  # apex at the top, base at the bottom
+        return (dy >= -h) & (dy <= h) & (np.abs(dx) <= (dy + h) / 2)
+    if shape == "cross":  # an upright plus sign
+        arm = _CROSS_ARM * h
+        return ((np.abs(dx) <= arm) & (np.abs(dy) <= h)) | ((np.abs(dy) <= arm) & (np.abs(dx) <= h))
+    raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Is a zoom needed? Fixed nearest-template readers
+
+
+@dataclass(frozen=True)
+class Readability:
+    """Fractions of questions a fixed reader gets right, by view.
+
+    `*_matched` use the pipeline-matched reader, an upper bound on what a view still holds (see
+    `read_shape`); the others read the silhouette as the view shows it.
+    """
+
+    detail_overview: float  # small object's shape, from the overview
+    detail_crop: float  # small object's shape, from a crop of its region at the same view size
+    detail_overview_matched: float
+    detail_crop_matched: float
+    global_shape: float  # large shape's shape, from the overview
+    global_colour: float  # large shape's colour (mean over its interior) nearest to the truth
+    colour_error: float  # largest channel error (0-1) of that mean colour
+    n_detail: int
+    n_global: int
+
+
+def readability(examples: Sequence[ZoomExample], view_size: int = 112) -> Readability:
+    """How well fixed readers answer each question from the overview, and detail ones from a crop.
+
+    The readers are told the object's colour and a window around it in every view, so the views
+    differ only in resolution. NaN where the examples hold no question of a kind.
+    """
+    hits: dict[str, list[bool]] = {name: [] for name in ("overview", "crop", "overview_m", "crop_m", "shape")}
+    colours, errors = [], []
+    for example in examples:
+        image, obj, size = example.image, example.objects[example.target], example.canvas_size
+        overview = view(image, FULL_BOX, view_size)
+        if example.needs_zoom:
+            crop = view(image, example.target_box, view_size)
+            views = (("overview", overview, FULL_BOX), ("crop", crop, example.target_box))
+            for name, image_view, source in views:
+                hits[name].append(read_shape(image_view, source, obj, size) == obj.shape)
+                hits[name + "_m"].append(read_shape(image_view, source, obj, size, matched=True) == obj.shape)
+        else:
+            colour = _interior_colour(overview, obj)
+            nearest = min(COLOURS, key=lambda name: float(np.sum((np.array(COLOURS[name]) - colour) ** 2)))
+            hits["shape"].append(read_shape(overview, FULL_BOX, obj, size) == obj.shape)
+            colours.append(nearest == obj.colour)
+            errors.append(float(np.max(np.abs(colour - np.array(COLOURS[obj.colour])))))
+    fractions = [float(np.mean(h)) if h else math.nan for h in (*hits.values(), colours)]
+    return Readability(
+        *fractions,
+        colour_error=max(errors, default=math.nan),
+        n_detail=len(hits["overview"]),
+        n_global=len(colours),
+    )
+
+
+def read_shape(
+    image_view: Image.Image, source: Box, obj: SceneObject, canvas_size: int, matched: bool = False
+) -> str:
+    """Which shape the object seems to be in a view of the canvas box `source` (nearest template).
+
+    Only the object's colour and a window around its box (half the gap wider, so no other object
+    enters) are used. The object's coverage of each view pixel is the pixel's projection onto the
+    line from background to colour. The default reader takes the silhouette as the view shows it
+    (coverage >= 0.5) and picks the shape whose mask, fitted to the silhouette's bounding box and
+    sampled at the view's pixels, overlaps it best (IoU). The matched reader (`matched=True`) inverts
+    the rendering instead: it draws each shape at canvas resolution, with the coverage's centroid and
+    area, resizes it exactly as the view was made, and picks the least squared difference; on these
+    noise-free images it reads far more than a glance at the view shows.
+    """
+    scale_x = image_view.width / ((source[2] - source[0]) * canvas_size)  # view pixels per canvas pixel
+    scale_y = image_view.height / ((source[3] - source[1]) * canvas_size)
+    x1, y1, x2, y2 = obj.box
+    left = max(math.floor(((x1 - _GAP / 2) - source[0]) * canvas_size * scale_x), 0)
+    top = max(math.floor(((y1 - _GAP / 2) - source[1]) * canvas_size * scale_y), 0)
+    right = min(math.ceil(((x2 + _GAP / 2) - source[0]) * canvas_size * scale_x), image_view.width)
+    bottom = min(math.ceil(((y2 + _GAP / 2) - source[1]) * canvas_size * scale_y), image_view.height)
+    pixels = np.asarray(image_view, dtype=np.float32)[top:bottom, left:right] / 255
+    background = np.array(BACKGROUND, dtype=np.float32)
+    direction = np.array(COLOURS[obj.colour], dtype=np.float32) - background
+    coverage = (pixels - background) @ direction / float(direction @ direction)
+    if coverage.max() <= 0:
+        return SHAPES[0]
+    if not matched:
+        return _read_silhouette(coverage)
+    origin = (source[0] * canvas_size + left / scale_x, source[1] * canvas_size + top / scale_y)
+    return _read_matched(coverage, origin, (scale_x, scale_y))
+
+
+def _read_silhouette(coverage: np.ndarray) -> str:
+    """Nearest silhouette by IoU: each shape fitted to the silhouette's bounding box and drawn at the
+    view's pixels, a pixel being in when the shape covers _TEMPLATE_FILL of it."""
+    silhouette = coverage >= min(0.5, 0.5 * coverage.max())
+    rows, columns = np.nonzero(silhouette)
+    centre_x, centre_y = (columns.min() + columns.max() + 1) / 2, (rows.min() + rows.max() + 1) / 2
+    half = max(columns.max() + 1 - columns.min(), rows.max() + 1 - rows.min()) / 2
+    sub = (np.arange(_SUBSAMPLES) + 0.5) / _SUBSAMPLES  # sample points inside a pixel
+    dx = (np.arange(coverage.shape[1])[:, None] + sub).ravel() - centre_x
+    dy = (np.arange(coverage.shape[0])[:, None] + sub).ravel() - centre_y
+    height, width = coverage.shape
+
+    def overlap(shape: str) -> float:
+        fine = _shape_mask(shape, dx[None, :], dy[:, None], half / _HALF_EXTENT[shape])
+        area = fine.reshape(height, _SUBSAMPLES, width, _SUBSAMPLES).mean(axis=(1, 3))
+        template = area >= _TEMPLATE_FILL
+        return float((template & silhouette).sum() / (template | silhouette).sum())
+
+    return max(SHAPES, key=overlap)
+
+
+def _read_matched(coverage: np.ndarray, origin: tuple[float, float], scale: tuple[float, float]) -> str:
+    """Nearest template drawn at canvas resolution and resized like the view (canvas-pixel units)."""
+    mass = float(coverage.sum())
+    if mass <= 0:
+        return SHAPES[0]
+    rows, columns = np.indices(coverage.shape) + 0.5
+    centre_x = origin[0] + float((coverage * columns).sum()) / mass / scale[0]
+    centre_y = origin[1] + float((coverage * rows).sum()) / mass / scale[1]
+    radius = math.sqrt(mass / (scale[0] * scale[1]) / math.pi)
+    window = (
+        origin[0],
+        origin[1],
+        origin[0] + coverage.shape[1] / scale[0],
+        origin[1] + coverage.shape[0] / scale[1],
+    )
+
+    def mismatch(shape: str) -> float:
+        # a triangle's centroid lies a third of its half-extent below its box centre
+        offset = _HALF_EXTENT[shape] * radius / 3 if shape == "triangle" else 0.0
+        template = _template(shape, centre_x, centre_y - offset, radius, window, coverage.shape)
+        return float(np.sum((template - coverage) ** 2))
+
+    return min(SHAPES, key=mismatch)
+
+
+def _template(
+    shape: str, centre_x: float, centre_y: float, radius: float, window: Box, out_shape: tuple[int, ...]
+) -> np.ndarray:
+    """A shape drawn at canvas resolution (canvas-pixel coordinates) and resized like the view."""
+    pad = 8 + math.ceil(_HALF_EXTENT[shape] * radius)
+    left, top = math.floor(window[0]) - pad, math.floor(window[1]) - pad
+    right, bottom = math.ceil(window[2]) + pad, math.ceil(window[3]) + pad
+    dx = np.arange(left, right, dtype=np.float32) + 0.5 - centre_x
+    dy = np.arange(top, bottom, dtype=np.float32) + 0.5 - centre_y
+    mask = _shape_mask(shape, dx[None, :], dy[:, None], radius).astype(np.float32)
+    box = (window[0] - left, window[1] - top, window[2] - left, window[3] - top)
+    return np.asarray(
+        Image.fromarray(mask, mode="F").resize((out_shape[1], out_shape[0]), _RESAMPLE, box=box)
+    )
+
+
+def _interior_colour(image_view: Image.Image, obj: SceneObject) -> np.ndarray:
+    """Mean colour (0-1) of the view's pixels inside the inner 70 % of a shape (away from its edges)."""
+    pixels = np.asarray(image_view, dtype=np.float32) / 255
+    height, width = pixels.shape[:2]
+    dx = (np.arange(width) + 0.5) / width - obj.x
+    dy = (np.arange(height) + 0.5) / height - obj.y
+    mask = _shape_mask(obj.shape, dx[None, :], dy[:, None], 0.7 * obj.size / 2)
+    return pixels[mask].mean(axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark files: a jsonl of multiple-choice questions plus an images folder
+
+
+@dataclass(frozen=True)
+class MCQuestion:
+    """One row of a multiple-choice benchmark; the image is read from disk on access."""
+
+    question_id: str
+    image_path: Path
+    question: str
+    options: tuple[str, ...]
+    answer: str  # a letter
+    category: str = ""
+    needs_zoom: bool | None = None
+    target_box: Box | None = None
+
+    @property
+    def image(self) -> Image.Image:
+        with Image.open(self.image_path) as image:
+            return image.convert("RGB")
+
+
+def write_benchmark(
+    examples: Sequence[ZoomExample], out_dir: Path | str, name: str = "questions.jsonl"
+) -> Path:
+    """Write `out_dir/name` (one JSON row per example) and `out_dir/images/<id>.png`; returns the jsonl."""
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    with path.open("w") as file:
+        for example in examples:
+            relative = f"images/{example.id}.png"
+            example.image.save(out_dir / relative)
+            row = {
+                "question_id": example.id,
+                "image": relative,
+                "question": example.question,
+                "options": list(example.options),
+                "answer": example.answer,
+                "category": example.category,
+                "needs_zoom": example.needs_zoom,
+                "target_box": list(example.target_box),
+            }
+            file.write(json.dumps(row) + "\n")
+    return path
+
+
+def read_benchmark(path: Path | str) -> list[MCQuestion]:
+    """Every row of a benchmark jsonl (blank lines skipped); the first bad row raises ValueError.
+
+    To skip bad rows instead, call `read_row` on each line and catch its ValueError.
+    """
+    path = Path(path)
+    lines = path.read_text().splitlines()
+    return [read_row(line, index, path.parent) for index, line in enumerate(lines) if line.strip()]
+
+
+def read_row(line: str, index: int, root: Path | str) -> MCQuestion:
+    """One jsonl row (`index` counts lines from 0; image paths are relative to `root`); ValueError
+    naming the row and what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"row {index}: not valid JSON ({error})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"row {index}: expected a JSON object, got {type(row).__name__}")
+    where = f"row {index} (question_id={row.get('question_id')!r})"
+    for key in ("question_id", "image", "question", "options", "answer"):
+        if row.get(key) in (None, "", []):
+            raise ValueError(f"{where}: no {key!r}")
+    for key in ("image", "question", "answer"):
+        if not isinstance(row[key], str):
+            raise ValueError(f"{where}: {key!r} must be a string, got {row[key]!r}")
+    options = row["options"]
+    strings = isinstance(options, list) and all(isinstance(option, str) for option in options)
+    if not strings or not 2 <= len(options) <= 26:
+        raise ValueError(f"{where}: 'options' must be a list of 2-26 strings, got {options!r}")
+    letters = "".join(chr(ord("A") + i) for i in range(len(options)))
+    if len(row["answer"]) != 1 or row["answer"] not in letters:
+        raise ValueError(f"{where}: answer {row['answer']!r} is not one of the letters {letters}")
+    if row.get("needs_zoom") not in (None, True, False):
+        raise ValueError(f"{where}: 'needs_zoom' must be true, false or null, got {row['needs_zoom']!r}")
+    image_path = Path(root) / row["image"]
+    if not image_path.is_file():
+        raise ValueError(f"{where}: image {row['image']!r} not found at {image_path}")
+    return MCQuestion(
+        question_id=str(row["question_id"]),
+        image_path=image_path,
+        question=row["question"],
+        options=tuple(options),
+        answer=row["answer"],
+        category=str(row.get("category", "")),
+        needs_zoom=row.get("needs_zoom"),
+        target_box=_read_box(row.get("target_box"), where),
+    )
+
+
+def _read_box(value: Any, where: str) -> Box | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 4 and all(isinstance(v, int | float) for v in value)):
+        raise ValueError(f"{where}: 'target_box' must be a list of 4 numbers, got {value!r}")
+    x1, y1, x2, y2 = (float(v) for v in value)
+    if not (0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1):
+        raise ValueError(
+            f"{where}: 'target_box' must satisfy 0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1, got {value}"
+        )
+    return (x1, y1, x2, y2)
