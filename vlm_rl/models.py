@@ -1,0 +1,615 @@
+"""Chat VLMs behind one small interface that multi-turn pixel-tool rollouts and their training use.
+
+`VLMAdapter` holds a transformers image-text-to-text model, its tokenizer and its image processor.
+A rollout never re-tokenizes model output: a conversation is kept as a `Segment` (token ids plus the
+images whose placeholder tokens those ids hold), the sum of
+
+- the prompt (`prompt_token_ids`): system and user turn, ending with the assistant header;
+- generated tokens (`generate`), which stop at the end of a tool call or of the assistant turn;
+- observations (`observation_token_ids`): ``<|im_end|>\\n<|im_start|>user\\n(image or error
+  text)<|im_end|>\\n<|im_start|>assistant\\n``. An observation closes the assistant turn that the
+  generation stopped in at ``</tool_call>``, so a whole rollout is token for token what the chat
+  template renders for the same messages, and observation tokens are masked out of the loss.
+
+`collate` pads segments into a model batch and `token_log_probs` scores chosen tokens under the model.
+Inputs are built from the tokenizer and the image processor directly: in transformers 5.x the
+Qwen2-VL processor insists on a video processor that needs torchvision.
+
+Families differ in how an image is resized and becomes placeholder tokens and model inputs; those
+are the hooks a family class fills. `QwenVLAdapter` covers Qwen2-VL and Qwen2.5-VL (their 3D M-RoPE
+positions the model computes itself from ``mm_token_type_ids``, the image grids and the attention
+mask, so padding is skipped); an Idefics3/SmolVLM class would add its image splitting and
+``pixel_attention_mask``. `tiny` builds an untrained Qwen2-VL of the real architecture with a
+word-level tokenizer over a closed vocabulary; `save_pretrained` and `from_pretrained` store it like
+a hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    AutoTokenizer,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from mmrl.noise import NoiseKey, keyed_rand_batch
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+UNK = "<|unk|>"  # the tiny tokenizer's stand-in for words outside its closed vocabulary
+SPECIAL_TOKENS = (PAD, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD, UNK)
+TOOL_CALL_END = "</tool_call>"
+TAGS = ("<tool_call>", TOOL_CALL_END, "<answer>", "</answer>")
+# Words every tiny vocabulary holds: chat roles and the tool-call schema (vlm_rl.tools).
+ROLES = ("system", "user", "assistant")
+BASE_WORDS = (*ROLES, "name", "arguments", "bbox_2d", "crop", "zoom_in", "image_index", "label")
+PUNCTUATION = tuple("{}[]:,\".?!'()-/")
+DIGITS = tuple("0123456789")
+NUMBERS = tuple(f"{i / 100:.2f}" for i in range(101))  # 0.00 .. 1.00: normalised box coordinates
+SPACE = "\u2581"  # "▁": a token's leading space, so that decoding needs no spaces between tokens
+WORD = r"[A-Za-z_][A-Za-z0-9_]*"
+# One token per piece: an optional leading space, then a box number, a digit, a word or a punctuation
+# mark; other whitespace (newlines) and extra spaces are tokens of their own.
+PIECE = rf"{SPACE}?(?:0\.\d\d|1\.00|\d|{WORD}|[^\s\w{SPACE}])|\s|{SPACE}"
+
+# The Qwen2-VL chat format without its default system prompt (the tiny vocabulary lacks its words).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Stands for the assistant's text when rendering an observation, to find where that turn's text ends.
+ASSISTANT_SENTINEL = "@@assistant-text@@"
+MAX_IMAGE_SIDE = 8000
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def build_chat_tokenizer(words: Sequence[str], max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over a closed vocabulary, with the Qwen2-VL special tokens and chat format.
+
+    Every word, punctuation mark, digit and two-decimal number 0.00..1.00 is one token, once bare and
+    once with a leading space, so decoding concatenates tokens and gives back the exact text: a tool
+    call decodes to the JSON it was written as. Other numbers are spelled digit by digit; words
+    outside the vocabulary become ``<|unk|>``. The ids depend on `words` only, not on the process.
+    """
+    bad = [word for word in words if not re.fullmatch(WORD, word)]
+    if bad:
+        raise ValueError(
+            f"vocabulary words are letters, digits and underscores, not starting with a digit: {bad}"
+        )
+    pieces = list(dict.fromkeys([*BASE_WORDS, *words, *PUNCTUATION, *DIGITS, *NUMBERS]))
+    tokens = [*SPECIAL_TOKENS, *TAGS, "\n", SPACE, *pieces, *(SPACE + piece for piece in pieces)]
+    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(tokens)}, unk_token=UNK))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TAGS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=max_length,
+    )
+
+
+def safe_image(image: Image.Image) -> Image.Image:
+    """RGB, with no side above MAX_IMAGE_SIDE: huge images are downscaled first (with a warning), since
+    the processor would spend seconds and gigabytes resizing them to a few hundred pixels anyway."""
+    if max(image.size) > MAX_IMAGE_SIDE:
+        scale = MAX_IMAGE_SIDE / max(image.size)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        message = f"image of {image.width}x{image.height} pixels downscaled to {size[0]}x{size[1]}"
+        warnings.warn(message, stacklevel=2)
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+@dataclass
+class ImageInput:
+    """One image as the model sees it."""
+
+    pixel_values: torch.Tensor  # the processor's output for this image alone
+    grid_thw: torch.Tensor  # [3]: patches in time, height and width
+    num_tokens: int  # placeholder tokens it takes in the text
+    size: tuple[int, int]  # (width, height) after the processor's resize
+
+
+@dataclass
+class Segment:
+    """Token ids of a piece of conversation and, in order, the images whose placeholders they hold.
+
+    Segments add up (prompt + generated + observation + ...) to the sequence a rollout trains on."""
+
+    token_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+
+    def __add__(self, other: Segment) -> Segment:
+        return Segment(self.token_ids + other.token_ids, self.images + other.images)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Generation:
+    """What `generate` sampled for each row of a batch."""
+
+    token_ids: list[list[int]]  # new tokens, up to and including the stop token
+    log_probs: list[torch.Tensor]  # their log-probs at the sampling temperature (fp32, CPU)
+    stopped: list[bool]  # ended on a stop token, rather than at max_new_tokens
+
+
+@dataclass
+class TinyVLMSpec:
+    """Sizes of the tiny Qwen2-VL / Qwen2.5-VL: a 2-layer text model and a 2-block vision tower."""
+
+    architecture: str = "qwen2_vl"  # or "qwen2_5_vl"
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    vision_width: int = 32
+    vision_depth: int = 2
+    vision_heads: int = 2
+    patch_size: int = 14
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 112 * 112  # a 448x448 image becomes a 112x112 view: 16 image tokens
+    max_positions: int = 4096
+
+
+def check_checkpoint(directory: Path) -> None:
+    """Raise FileNotFoundError naming what a local checkpoint directory lacks."""
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{str(directory)!r} is not a directory: give a local folder written by save_pretrained "
+            "(config.json, model weights, tokenizer files, preprocessor_config.json)"
+        )
+    missing = [
+        name for name in ("config.json", "preprocessor_config.json") if not (directory / name).is_file()
+    ]
+    for group in (WEIGHT_FILES, TOKENIZER_FILES):
+        if not any((directory / name).is_file() for name in group):
+            missing.append(" or ".join(group))
+    if missing:
+        raise FileNotFoundError(f"checkpoint directory {str(directory)!r} has no {', '.join(missing)}")
+
+
+class VLMAdapter(ABC):
+    """A chat VLM with what multi-turn tool rollouts and their training need (see the module docstring).
+
+    Family classes set `model_classes` (config model_type -> model class) and `image_processor_class`
+    and fill the hooks `encode_image`, `resized_size`, `image_token_ids`, `image_inputs` and
+    `vision_token_ids`."""
+
+    model_classes: ClassVar[dict[str, type[PreTrainedModel]]] = {}
+    image_processor_class: ClassVar[Any] = None
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, image_processor: Any
+    ) -> None:
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.image_token_id = model.config.image_token_id
+        # The policy never writes vision tokens: a generated placeholder would have no image behind it.
+        # They are masked out of sampling and of every log-prob, so both see the same distribution.
+        self.banned_ids = torch.tensor(self.vision_token_ids())
+
+    # -- construction and storage ----------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype | str = "auto", attn_implementation: str | None = None
+    ) -> VLMAdapter:
+        """Load a local checkpoint (never the network) with the family class its config names."""
+        directory = Path(path)
+        check_checkpoint(directory)
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+        family = next((family for family in FAMILIES if model_type in family.model_classes), None)
+        if family is None:
+            known = sorted(name for family in FAMILIES for name in family.model_classes)
+            raise ValueError(f"{directory}: model_type {model_type!r} is not supported; supported: {known}")
+        model = family.model_classes[model_type].from_pretrained(
+            directory, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        processor_template = directory / "chat_template.json"  # where hub VLMs keep it beside the processor
+        if tokenizer.chat_template is None and processor_template.is_file():
+            tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+        image_processor = family.image_processor_class.from_pretrained(directory, local_files_only=True)
+        return family(model, tokenizer, image_processor)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Config, safetensors weights, tokenizer files and preprocessor_config.json in one folder."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+
+    @staticmethod
+    def tiny(vocabulary: Sequence[str], spec: TinyVLMSpec | None = None, seed: int = 0) -> QwenVLAdapter:
+        """A new, untrained tiny Qwen2-VL (or Qwen2.5-VL) whose tokenizer holds `vocabulary`."""
+        return QwenVLAdapter.tiny(vocabulary, spec, seed)
+
+    def to(self, device: torch.device | str) -> VLMAdapter:
+        self.model.to(device)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- family hooks ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def encode_image(self, image: Image.Image) -> ImageInput:
+        """Resize and patchify one image."""
+
+    @abstractmethod
+    def resized_size(self, image: Image.Image) -> tuple[int, int]:
+        """(width, height) the processor resizes `image` to: the space the model's coordinates live in."""
+
+    @abstractmethod
+    def image_token_ids(self, image: ImageInput) -> list[int]:
+        """The tokens one image placeholder of the rendered text expands to."""
+
+    @abstractmethod
+    def vision_token_ids(self) -> list[int]:
+        """Tokens that only images' placeholders hold."""
+
+    @abstractmethod
+    def image_inputs(self, input_ids: torch.Tensor, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Model inputs for the images of a batch, in the order their placeholders appear (row-major)."""
+
+    # -- text and images -> token ids --------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template's text; an image part (``{"type": "image"}``) is one placeholder."""
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def segment(self, text: str, images: Sequence[Image.Image] = ()) -> Segment:
+        """Tokenize rendered text and expand its image placeholders, one per image in order."""
+        encoded = [self.encode_image(image) for image in images]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        placeholders = ids.count(self.image_token_id)
+        if placeholders != len(encoded):
+            raise ValueError(f"the text has {placeholders} image placeholders but {len(encoded)} images")
+        pending = iter(encoded)
+        expanded = []
+        for token in ids:
+            expanded.extend(self.image_token_ids(next(pending)) if token == self.image_token_id else [token])
+        return Segment(expanded, encoded)
+
+    def prompt_token_ids(
+        self, question: str, image: Image.Image | None = None, system: str | None = None
+    ) -> Segment:
+        """System turn (if any) and a user turn with the image before the question, ending with the
+        assistant header."""
+        content = [{"type": "image"}] if image is not None else []
+        messages = [{"role": "user", "content": [*content, {"type": "text", "text": question}]}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        return self.segment(self.render(messages), [image] if image is not None else [])
+
+    def observation_token_ids(self, observation: Image.Image | str, role: str = "user") -> Segment:
+        """A tool's result (an image, or error text) as a new turn: the assistant turn's end, the turn,
+        and the next assistant header. Rendered by the chat template after a stand-in assistant turn,
+        so the tokens are the template's own for any family."""
+        is_image = isinstance(observation, Image.Image)
+        content = [{"type": "image"}] if is_image else [{"type": "text", "text": observation}]
+        history = [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": ASSISTANT_SENTINEL},
+        ]
+        text = self.render([*history, {"role": role, "content": content}])
+        text = text[text.index(ASSISTANT_SENTINEL) + len(ASSISTANT_SENTINEL) :]
+        return self.segment(text, [observation] if is_image else [])
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # -- batches ---------------------------------------------------------------------------------------
+
+    def encode_prompts(
+        self, conversations: Sequence[tuple[list[dict[str, Any]], Sequence[Image.Image]]]
+    ) -> dict[str, torch.Tensor]:
+        """A left-padded generation batch from (chat messages, their images in order) pairs."""
+        segments = [self.segment(self.render(messages), images) for messages, images in conversations]
+        return self.collate(segments, "left")
+
+    def collate(self, sequences: Sequence[Segment], padding_side: str = "right") -> dict[str, torch.Tensor]:
+        """Pad sequences into a model batch (left for generation, either for scoring); the images of all
+        rows are concatenated in order."""
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
+        length = max(len(sequence) for sequence in sequences)
+        input_ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            needed = sum(image.num_tokens for image in sequence.images)
+            found = sequence.token_ids.count(self.image_token_id)
+            if found != needed:
+                raise ValueError(f"sequence {row} has {found} image tokens but its images need {needed}")
+            start = length - len(sequence) if padding_side == "left" else 0
+            input_ids[row, start : start + len(sequence)] = torch.tensor(sequence.token_ids)
+            attention_mask[row, start : start + len(sequence)] = 1
+        images = [image for sequence in sequences for image in sequence.images]
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        return batch | self.image_inputs(input_ids, images)
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: value.to(self.device) for name, value in batch.items()}
+
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits with the vision tokens at -inf."""
+        return logits.float().index_fill(-1, self.banned_ids.to(logits.device), float("-inf"))
+
+    def token_log_probs(
+        self,
+        batch: dict[str, torch.Tensor],
+        target_mask: torch.Tensor,
+        model: torch.nn.Module | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """Log-probs [B, L] (fp32) of each token given the tokens before it, at `target_mask` positions
+        (0 elsewhere, and at a sequence's first token, which nothing predicts). Logits are computed
+        only from the first target column on. `model` is the module to call, e.g. the DDP/FSDP
+        wrapper of `self.model` while training."""
+        target_mask = target_mask.to(self.device, torch.bool, copy=True)
+        target_mask[:, 1:] &= batch["attention_mask"][:, :-1].to(self.device).bool()
+        target_mask[:, 0] = False
+        out = torch.zeros(target_mask.shape, dtype=torch.float32, device=self.device)
+        columns = target_mask.any(0).nonzero()
+        if len(columns) == 0:
+            return out
+        first = int(columns[0])  # the first target column; the logits one column earlier predict it
+        inputs = self.on_device(batch)
+        keep = torch.arange(first - 1, target_mask.shape[1] - 1, device=self.device)
+        logits = (model or self.model)(**inputs, logits_to_keep=keep, use_cache=False).logits
+        log_probs = torch.log_softmax(self.allowed(logits) / temperature, dim=-1)
+        chosen = log_probs.gather(-1, inputs["input_ids"][:, first:, None]).squeeze(-1)
+        out[:, first:] = torch.where(target_mask[:, first:], chosen, 0.0)
+        return out
+
+    def generate(
+        self,
+        batch: dict[str, torch.Tensor],
+        max_new_tokens: int,
+        keys: Sequence[NoiseKey] | None = None,
+        temperature: float = 1.0,
+        stop_tokens: Sequence[str] = (IM_END, TOOL_CALL_END),
+        banned_tokens: Sequence[str] = (),
+    ) -> Generation:
+        """Up to `max_new_tokens` per row of a left-padded batch, stopping at any of `stop_tokens`.
+
+        With `keys` (one per row), tokens are sampled at `temperature` by Gumbel-max with noise keyed
+        by the row's key and the token's index (the key's `stream`), so a row's tokens depend on its
+        key alone, not on the batch it shares or on a global RNG; without, greedy. The checkpoint's
+        top-k/top-p/repetition settings are never applied, so the returned log-probs are the policy's
+        as `token_log_probs` computes them. `banned_tokens` (e.g. ``<tool_call>`` for a policy that may
+        not use tools) are never produced; their log-probs are not renormalised away."""
+        stop_ids = self.token_ids_of(stop_tokens)
+        inputs = self.on_device(batch)
+        processors = LogitsProcessorList()
+        if keys is not None:
+            if len(keys) != inputs["input_ids"].shape[0]:
+                raise ValueError(f"{len(keys)} sampling keys for {inputs['input_ids'].shape[0]} rows")
+            processors.append(KeyedGumbel(keys, temperature, inputs["input_ids"].shape[1]))
+        out = self.model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            repetition_penalty=1.0,
+            suppress_tokens=self.banned_ids.tolist() + self.token_ids_of(banned_tokens),
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_id,
+            logits_processor=processors,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        new = out.sequences[:, inputs["input_ids"].shape[1] :]
+        logits = self.allowed(torch.stack(out.logits, dim=1)) / (temperature if keys is not None else 1.0)
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1).cpu()
+        token_ids, row_log_probs, stopped = [], [], []
+        for row, ids in enumerate(new.tolist()):
+            end = next((i + 1 for i, token in enumerate(ids) if token in stop_ids), None)
+            stopped.append(end is not None)
+            end = end or len(ids)
+            token_ids.append(ids[:end])
+            row_log_probs.append(log_probs[row, :end])
+        return Generation(token_ids, row_log_probs, stopped)
+
+    def token_ids_of(self, tokens: Sequence[str]) -> list[int]:
+        """Ids of tokens that must each be one token of the vocabulary (stop and banned tokens)."""
+        ids = [self.tokenizer.convert_tokens_to_ids(token) for token in tokens]
+        if any(token_id is None or token_id == self.tokenizer.unk_token_id for token_id in ids):
+            raise ValueError(
+                f"stop and banned tokens must each be one token of the vocabulary: {list(tokens)}"
+            )
+        return ids
+
+
+class KeyedGumbel(LogitsProcessor):
+    """Turns greedy decoding into sampling at `temperature`: adds Gumbel noise keyed by each row's
+    NoiseKey with the token's index as its stream (argmax of logits / T + Gumbel samples softmax(logits
+    / T)). Runs after the processors that set banned tokens to -inf, which stay -inf."""
+
+    def __init__(self, keys: Sequence[NoiseKey], temperature: float, prompt_length: int) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        self.keys, self.temperature, self.prompt_length = list(keys), temperature, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        index = input_ids.shape[1] - self.prompt_length
+        keys = [replace(key, stream=index) for key in self.keys]
+        uniform = keyed_rand_batch((scores.shape[-1],), keys, device=scores.device).clamp_(1e-20, 1.0 - 1e-7)
+        return scores.float() / self.temperature - torch.log(-torch.log(uniform))
+
+
+class QwenVLAdapter(VLMAdapter):
+    """Qwen2-VL and Qwen2.5-VL: one ``<|image_pad|>`` per merged patch, 3D M-RoPE positions."""
+
+    model_classes: ClassVar[dict[str, type[PreTrainedModel]]] = {
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    }
+    image_processor_class = Qwen2VLImageProcessorPil  # the default class needs torchvision
+
+    @staticmethod
+    def tiny(vocabulary: Sequence[str], spec: TinyVLMSpec | None = None, seed: int = 0) -> QwenVLAdapter:
+        spec = spec or TinyVLMSpec()
+        if spec.architecture not in QwenVLAdapter.model_classes:
+            raise ValueError(f"architecture must be one of {sorted(QwenVLAdapter.model_classes)}")
+        tokenizer = build_chat_tokenizer(vocabulary, spec.max_positions)
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+        # rotary frequencies per head, split over (time, height, width) like Qwen2-VL's 16:24:24
+        half = spec.hidden // spec.heads // 2
+        height = (half - half // 4) // 2
+        mrope_section = [half // 4, height, half - half // 4 - height]
+        text = {
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden,
+            "intermediate_size": 2 * spec.hidden,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": spec.max_positions,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": mrope_section},
+            "bos_token_id": ids[PAD],
+            "eos_token_id": ids[IM_END],
+            "pad_token_id": ids[PAD],
+        }
+        vision = {
+            "depth": spec.vision_depth,
+            "num_heads": spec.vision_heads,
+            "patch_size": spec.patch_size,
+            "spatial_merge_size": spec.merge_size,
+            "temporal_patch_size": 2,
+        }
+        if spec.architecture == "qwen2_vl":
+            vision |= {"embed_dim": spec.vision_width, "hidden_size": spec.hidden, "mlp_ratio": 2}
+            config_class = Qwen2VLConfig
+        else:
+            vision |= {
+                "hidden_size": spec.vision_width,
+                "intermediate_size": 2 * spec.vision_width,
+                "out_hidden_size": spec.hidden,
+                "window_size": 2 * spec.patch_size * spec.merge_size,  # 2x2 merged tokens per window
+                "fullatt_block_indexes": [spec.vision_depth - 1],
+            }
+            config_class = Qwen2_5_VLConfig
+        config = config_class(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=ids[IMAGE_PAD],
+            video_token_id=ids[VIDEO_PAD],
+            vision_start_token_id=ids[VISION_START],
+            vision_end_token_id=ids[VISION_END],
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(seed)
+        model = QwenVLAdapter.model_classes[spec.architecture](config).eval()
+        model.generation_config.eos_token_id = ids[IM_END]
+        model.generation_config.pad_token_id = ids[PAD]
+        image_processor = Qwen2VLImageProcessorPil(
+            min_pixels=spec.min_pixels,
+            max_pixels=spec.max_pixels,
+            patch_size=spec.patch_size,
+            merge_size=spec.merge_size,
+            temporal_patch_size=2,
+        )
+        return QwenVLAdapter(model, tokenizer, image_processor)
+
+    def resized_size(self, image: Image.Image) -> tuple[int, int]:
+        image = safe_image(image)
+        processor = self.image_processor
+        height, width = smart_resize(
+            image.height,
+            image.width,
+            factor=processor.patch_size * processor.merge_size,
+            min_pixels=processor.size["shortest_edge"],
+            max_pixels=processor.size["longest_edge"],
+        )
+        return width, height
+
+    def encode_image(self, image: Image.Image) -> ImageInput:
+        processed = self.image_processor(images=[safe_image(image)], return_tensors="pt")
+        grid = processed["image_grid_thw"][0]
+        patch, merge = self.image_processor.patch_size, self.image_processor.merge_size
+        return ImageInput(
+            pixel_values=processed["pixel_values"],
+            grid_thw=grid,
+            num_tokens=int(grid.prod()) // merge**2,
+            size=(int(grid[2]) * patch, int(grid[1]) * patch),
+        )
+
+    def image_token_ids(self, image: ImageInput) -> list[int]:
+        return [self.image_token_id] * image.num_tokens  # the template already wrote vision start/end
+
+    def vision_token_ids(self) -> list[int]:
+        config = self.model.config
+        return [
+            config.image_token_id,
+            config.video_token_id,
+            config.vision_start_token_id,
+            config.vision_end_token_id,
+        ]
+
+    def image_inputs(self, input_ids: torch.Tensor, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        # transformers 5.x needs mm_token_type_ids (1 at image tokens) to compute M-RoPE positions; with
+        # them the model counts each row's positions without its padding
+        inputs = {"mm_token_type_ids": (input_ids == self.image_token_id).long()}
+        if images:
+            inputs["pixel_values"] = torch.cat([image.pixel_values for image in images])
+            inputs["image_grid_thw"] = torch.stack([image.grid_thw for image in images])
+        return inputs
+
+
+FAMILIES: tuple[type[VLMAdapter], ...] = (QwenVLAdapter,)
