@@ -1,0 +1,217 @@
+"""Multi-turn tool rollouts, adaptive rewards, and the VLM trainers on a tiny untrained Qwen2-VL."""
+
+import json
+
+import pytest
+import torch
+
+from mmrl.cli import load_plugins, main
+from mmrl.noise import NoiseKey
+from vlm_rl.data import DataConfig, QuestionSet, demonstration, task_vocabulary, tool_call_text
+from vlm_rl.models import Generation, VLMAdapter
+from vlm_rl.rewards import adaptive_tool_rewards
+from vlm_rl.rollout import ToolRolloutConfig, prompt_segment, rollout
+from vlm_rl.tools import first_tool_call
+
+load_plugins()
+
+DATA = DataConfig(heldout_size=8, train_size=64)
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return VLMAdapter.tiny(task_vocabulary(DATA, samples=50))
+
+
+@pytest.fixture(scope="module")
+def questions():
+    heldout = QuestionSet(DATA, "heldout")
+    return [heldout[i] for i in range(4)]
+
+
+def scripted(vlm, monkeypatch, turns):
+    """Make `generate` return `turns[k]` (text) for every row at turn k; None: the model's own tokens."""
+    real = vlm.generate
+    calls = {"turn": 0}
+
+    def generate(batch, max_new_tokens, keys=None, **kwargs):
+        text = turns[calls["turn"]] if calls["turn"] < len(turns) else None
+        calls["turn"] += 1
+        if text is None:
+            return real(batch, max_new_tokens, keys=keys, **kwargs)
+        ids = vlm.segment(text).token_ids[:max_new_tokens]
+        rows = batch["input_ids"].shape[0]
+        stop = ids[-1] in vlm.token_ids_of(["<|im_end|>", "</tool_call>"])
+        return Generation([list(ids)] * rows, [torch.full((len(ids),), -0.5)] * rows, [stop] * rows)
+
+    monkeypatch.setattr(vlm, "generate", generate)
+
+
+def test_a_zoom_then_an_answer(vlm, questions, monkeypatch):
+    box = (0.0, 0.0, 0.34, 0.34)
+    scripted(vlm, monkeypatch, [tool_call_text(box), "<answer>B</answer><|im_end|>"])
+    (t,) = rollout(vlm, questions[:1], ToolRolloutConfig(), keys=None)
+    assert t.ended == "answer" and t.turns == 2 and t.answer == "B"
+    assert t.tool_stats.calls == 1 and t.tool_stats.successes == 1 and t.used_tool
+    assert len(t.sequence.images) == 2 and t.store.boxes[1] == (0, 0, 153, 153)
+    assert len(t.loss_mask) == len(t.old_log_probs) == len(t.sequence)
+    # the observation (the crop's image tokens) is not trained; the two assistant turns are
+    observation = vlm.observation_token_ids(t.store.images[1])
+    start = len(prompt_segment(vlm, questions[0], None)) + len(vlm.segment(tool_call_text(box)))
+    assert t.sequence.token_ids[start : start + len(observation)] == observation.token_ids
+    assert not any(t.loss_mask[start : start + len(observation)]) and all(
+        t.loss_mask[start + len(observation) :]
+    )
+    assert t.generated_tokens == len(vlm.segment(tool_call_text(box))) + len(
+        vlm.segment("<answer>B</answer><|im_end|>")
+    )
+
+
+@pytest.mark.parametrize(
+    "turns, cfg, ended, errors",
+    [
+        (['<tool_call>{"name": "rotate"}</tool_call>', "<answer>A</answer><|im_end|>"], {}, "answer", 1),
+        (["<tool_call>[0.5, 0.5]</tool_call>"] * 3, {}, "max_turns", 2),
+        ([tool_call_text((0, 0, 0.5, 0.5))] * 3, {"max_images": 2}, "max_images", 0),
+        (["A A A A A A A A"], {"max_new_tokens": 4}, "truncated", 0),
+        ([tool_call_text((0, 0, 0.5, 0.5))], {"max_tokens": 90}, "max_tokens", 0),
+    ],
+)
+def test_bad_calls_and_limits_end_cleanly(vlm, questions, monkeypatch, turns, cfg, ended, errors):
+    scripted(vlm, monkeypatch, turns)
+    (t,) = rollout(vlm, questions[:1], ToolRolloutConfig(**cfg), keys=None)
+    assert t.ended == ended
+    assert (t.answer is None) == (ended != "answer")
+    assert sum(t.tool_stats.errors.values()) == errors
+    assert len(t.sequence) <= ToolRolloutConfig(**cfg).max_tokens
+
+
+def test_error_text_goes_back_to_the_model(vlm, questions, monkeypatch):
+    bad = '<tool_call>{"name": "rotate"}</tool_call>'
+    scripted(vlm, monkeypatch, [bad, "<answer>A</answer><|im_end|>"])
+    (t,) = rollout(vlm, questions[:1], ToolRolloutConfig(), keys=None)
+    assert t.tool_stats.errors == {"missing_key": 1} and len(t.sequence.images) == 1
+    shown = vlm.observation_token_ids(first_tool_call(bad).message).token_ids
+    start = len(prompt_segment(vlm, questions[0], None)) + len(vlm.segment(bad))
+    assert t.sequence.token_ids[start : start + len(shown)] == shown
+
+
+def test_recomputed_log_probs_equal_the_rollouts_after_an_image_turn(vlm, questions, monkeypatch):
+    """The second turn is sampled by the model after a crop was shown mid-conversation; scoring the
+    whole conversation again gives its log-probs back (M-RoPE positions with two images agree)."""
+    call = tool_call_text((0.3, 0.3, 0.7, 0.7))
+    scripted(vlm, monkeypatch, [call, None])
+    cfg = ToolRolloutConfig(max_new_tokens=40, max_turns=2)
+    keys = [NoiseKey(0, 0, i, 0) for i in range(2)]
+    trajectories = rollout(vlm, questions[:2], cfg, keys)
+    batch = vlm.collate([t.sequence for t in trajectories], "right")
+    mask = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
+    for row, t in enumerate(trajectories):
+        assert len(t.sequence.images) == 2 and t.turns == 2
+        second_turn = t.generated_tokens - len(vlm.segment(call))  # the conversation ends with it
+        mask[row, len(t.sequence) - second_turn : len(t.sequence)] = True
+    with torch.no_grad():
+        scored = vlm.token_log_probs(batch, mask)
+    for row, t in enumerate(trajectories):
+        old = torch.tensor(t.old_log_probs)[mask[row, : len(t.sequence)]]
+        torch.testing.assert_close(scored[row][mask[row]], old, atol=1e-4, rtol=0)
+
+
+def test_keyed_rollouts_do_not_depend_on_the_batch(vlm, questions):
+    cfg = ToolRolloutConfig(max_new_tokens=10)
+    keys = [NoiseKey(1, 2, i, 0) for i in range(3)]
+    together = rollout(vlm, questions[:3], cfg, keys)
+    alone = rollout(vlm, questions[2:3], cfg, keys[2:])
+    assert together[2].sequence.token_ids == alone[0].sequence.token_ids
+
+
+def test_tool_modes(vlm, questions):
+    cfg = ToolRolloutConfig(max_new_tokens=6)
+    always = rollout(vlm, questions[:2], cfg, keys=None, tool_mode="always")
+    start = vlm.token_ids_of(["<tool_call>"])[0]
+    for q, t in zip(questions, always, strict=False):
+        first = len(prompt_segment(vlm, q, None))
+        assert t.sequence.token_ids[first] == start and not t.loss_mask[first] and t.loss_mask[first + 1]
+    never = rollout(vlm, questions[:2], cfg, [NoiseKey(0, 0, i, 0) for i in range(2)], tool_mode="never")
+    assert all(start not in t.sequence.token_ids for t in never)
+
+
+def test_adaptive_ranking_rewards():
+    correct = torch.tensor([1, 1, 0, 0, 1, 0, 0, 1, 1, 0])
+    used = torch.tensor([0, 1, 1, 0, 1, 1, 0, 1, 0, 0])
+    groups = torch.tensor([7, 7, 7, 7, 3, 3, 3, 5, 5, 5])
+    rewards = adaptive_tool_rewards(correct, used, groups)
+    # group 7 and 5: a tool-free rollout is right (direct 1.0 > tool 0.8 > tool wrong 0.5 > direct wrong 0)
+    # group 3: none is, so a correct zoom ranks first (tool 1.0 > tool wrong 0.5 > direct wrong 0)
+    assert rewards.tolist() == pytest.approx([1.0, 0.8, 0.5, 0.0, 1.0, 0.5, 0.0, 0.8, 1.0, 0.0])
+    cost = adaptive_tool_rewards(correct, used, groups, scheme="tool_cost", tool_cost=0.25)
+    assert cost.tolist() == pytest.approx([1.0, 0.75, -0.25, 0.0, 0.75, -0.25, 0.0, 0.75, 1.0, 0.0])
+
+
+def test_demonstrations_round_trip(vlm, questions):
+    q = next(q for q in questions if q.target_box is not None)
+    image = q.image
+    prompt = prompt_segment(vlm, q, None, image)
+    sequence, mask = demonstration(vlm, q, prompt, True, image)
+    text = vlm.decode([t for t, m in zip(sequence.token_ids, mask, strict=True) if m])
+    answer = q.options["ABCD".index(q.answer)]
+    assert text.startswith("<tool_call>") and text.endswith(f"<answer>{answer}</answer><|im_end|>")
+    assert len(sequence.images) == 2
+    direct, direct_mask = demonstration(vlm, q, prompt, False, image)
+    assert vlm.decode(direct.token_ids[len(prompt) :]) == f"<answer>{answer}</answer><|im_end|>"
+    assert direct_mask == [False] * len(prompt) + [True] * (len(direct) - len(prompt))
+
+
+def test_sft_then_grpo_train_save_and_resume(vlm, tmp_path):
+    common = [
+        "progress=false",
+        "data.heldout_size=4",
+        "data.train_size=32",
+        "eval_modes=[auto]",
+        "rollout.max_new_tokens=8",
+    ]
+    assert (
+        main(
+            [
+                "pretrain",
+                "vlm",
+                f"output_dir={tmp_path / 'sft'}",
+                "steps=3",
+                "train.batch_size=4",
+                "train.warmup_steps=1",
+                *common,
+            ]
+        )
+        == 0
+    )
+    base = tmp_path / "sft" / "model"
+    assert (base / "config.json").is_file()
+    grpo = [
+        f"model.path={base}",
+        "train.questions_per_step=2",
+        "train.group_size=2",
+        "checkpoint_every=2",
+        "train.lr=1e-3",
+        *common,
+    ]
+
+    def run(out, steps, *extra):
+        assert main(["train", "vlm/tool_grpo", f"output_dir={out}", f"steps={steps}", *grpo, *extra]) == 0
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        weights = VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
+
+    straight_rows, straight = run(tmp_path / "straight", 4)
+    assert {"accuracy", "tool_ratio", "tool_error_bad_json", "tokens_per_answer", "groups_kept"} <= set(
+        straight_rows[0]
+    )
+    run(tmp_path / "stopped", 2)
+    resumed_rows, resumed = run(tmp_path / "stopped", 4, "resume=true")
+    assert resumed_rows == straight_rows
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert json.loads((tmp_path / "straight" / "eval.json").read_text())["after"]["auto_accuracy"] >= 0.0
+
+
+def test_bad_model_path_is_one_clear_error(tmp_path, capsys):
+    assert main(["train", "vlm/tool_grpo", f"output_dir={tmp_path}", "model.path=/nonexistent"]) == 2
+    assert "model.path" in capsys.readouterr().err

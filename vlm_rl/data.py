@@ -1,0 +1,179 @@
+"""Questions for the VLM trainers and their demonstrations: the synthetic zoom task or a jsonl file.
+
+A trainer sees `Question`s (text, options, image, answer, and, for the synthetic task, whether a zoom
+is needed and where). `demonstration` writes the assistant's side of a conversation for supervised
+fine-tuning: with a tool call on the question's target box and its crop, or a direct answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mmrl.config import ConfigError, option
+from vlm_rl.models import IM_END, Segment, VLMAdapter
+from vlm_rl.tasks import COLOURS, LETTERS, REGIONS, SHAPES, TaskConfig, make_example, read_benchmark
+from vlm_rl.tools import ImageStore, ToolCall
+
+Box = tuple[float, float, float, float]
+
+
+@dataclass
+class Question:
+    """A multiple-choice question about one image (answer: an option letter)."""
+
+    question: str
+    options: Sequence[str]
+    answer: str
+    load_image: Callable[[], Image.Image]  # images are drawn or read only when needed
+    kind: str = ""  # "global" / "detail" for the synthetic task; "" when unknown
+    category: str = ""
+    target_box: Box | None = None  # normalised box a zoom should take (demonstrations)
+
+    @property
+    def image(self) -> Image.Image:
+        return self.load_image()
+
+
+def question_text(question: str, options: Sequence[str]) -> str:
+    """The user turn's text: the question and its options, one letter each."""
+    listed = " ".join(f"{LETTERS[i]} . {option}" for i, option in enumerate(options))
+    return f"{question} Options : {listed} Answer with the letter ."
+
+
+@dataclass
+class DataConfig:
+    source: str = option("zoom_task", "'zoom_task' (synthetic) or a jsonl file of multiple-choice questions")
+    train_size: int = option(20000, "training questions (synthetic; a file uses all its rows)", min=1)
+    heldout_size: int = option(256, "held-out questions for evaluation", min=1)
+    heldout_file: str | None = option(
+        None, "jsonl of held-out questions (default: the synthetic held-out split)"
+    )
+    detail_fraction: float = option(0.3, "synthetic: share of questions that need a zoom", min=0.0, max=1.0)
+    canvas_size: int = option(448, "synthetic: image side in pixels", min=32)
+    seed: int = option(0, "synthetic: data seed", min=0)
+
+
+def synthetic_question(index: int, split: str, cfg: DataConfig) -> Question:
+    example = make_example(
+        index, cfg.seed, split, TaskConfig(canvas_size=cfg.canvas_size, detail_fraction=cfg.detail_fraction)
+    )
+    return Question(
+        example.question,
+        example.options,
+        example.answer,
+        lambda: example.image,
+        example.kind,
+        example.category,
+        example.target_box,
+    )
+
+
+class QuestionSet:
+    """Questions by index: the synthetic ones are drawn on demand (any index regenerates alone)."""
+
+    def __init__(self, cfg: DataConfig, split: str) -> None:
+        self.cfg, self.split = cfg, split
+        path = cfg.source if split == "train" else cfg.heldout_file or cfg.source
+        self.rows: list[Question] | None = None
+        if path != "zoom_task":
+            self.rows = load_questions(path)
+        self.size = (
+            len(self.rows)
+            if self.rows is not None
+            else (cfg.train_size if split == "train" else cfg.heldout_size)
+        )
+        if split == "heldout":
+            self.size = min(self.size, cfg.heldout_size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Question:
+        if not 0 <= index < self.size:
+            raise IndexError(f"question {index} of a set of {self.size}")
+        if self.rows is not None:
+            return self.rows[index]
+        return synthetic_question(index, self.split, self.cfg)
+
+
+def load_questions(path: str) -> list[Question]:
+    """Rows of a jsonl of multiple-choice questions (question_id, image, question, options, answer, ...)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(
+            f"config error: data file {path!r} does not exist; give a jsonl of multiple-choice questions "
+            "or 'zoom_task' for the synthetic task"
+        )
+    try:
+        rows = read_benchmark(file)
+    except ValueError as err:
+        raise ConfigError(f"config error: {path}: {err}") from None
+    if not rows:
+        raise ConfigError(f"config error: data file {path!r} holds no questions")
+    kinds = {True: "detail", False: "global", None: ""}
+    return [
+        Question(
+            r.question,
+            r.options,
+            r.answer,
+            lambda r=r: r.image,
+            kinds[r.needs_zoom],
+            r.category,
+            r.target_box,
+        )
+        for r in rows
+    ]
+
+
+def task_vocabulary(cfg: DataConfig, samples: int = 400) -> list[str]:
+    """Every word the synthetic task's questions, options and answers use (tokenizer vocabulary)."""
+    words = {*COLOURS, *SHAPES, *LETTERS, *(w for region in REGIONS for w in region.split("-"))}
+    for split in ("train", "heldout"):
+        for index in range(samples):
+            q = synthetic_question(index, split, cfg)
+            words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", question_text(q.question, q.options)))
+    return sorted(words)
+
+
+def round_box(box: Box, padding: float = 0.02) -> Box:
+    """A normalised box grown by `padding`, clamped to [0, 1] and rounded to the tokenizer's 2 decimals."""
+    x1, y1, x2, y2 = box
+    grown = (x1 - padding, y1 - padding, x2 + padding, y2 + padding)
+    return tuple(round(min(max(v, 0.0), 1.0), 2) for v in grown)  # type: ignore[return-value]
+
+
+def tool_call_text(box: Box) -> str:
+    numbers = ", ".join(f"{v:.2f}" for v in box)
+    return f'<tool_call>{{"name": "crop", "arguments": {{"bbox_2d": [{numbers}]}}}}</tool_call>'
+
+
+def demonstration(
+    adapter: VLMAdapter, question: Question, prompt: Segment, use_tool: bool, image: Image.Image
+) -> tuple[Segment, list[bool]]:
+    """The whole conversation of a demonstration and its loss mask (True at the assistant's tokens):
+    optionally a crop of the target box (of `image`, the question's) and the crop shown back, then
+    the answer as the right option's text (``<answer>red</answer>``; rule-based extraction maps an
+    option's text to its letter), which a small model learns more easily than the letter."""
+    sequence, mask = prompt, [False] * len(prompt)
+    if use_tool:
+        if question.target_box is None:
+            raise ValueError("a tool demonstration needs the question's target_box")
+        box = round_box(question.target_box)
+        call = adapter.segment(tool_call_text(box))
+        store = ImageStore(image)
+        observation = store.crop(ToolCall("crop", box))
+        shown = adapter.observation_token_ids(observation.image)
+        sequence = sequence + call + shown
+        mask += [True] * len(call) + [False] * len(shown)
+    answer = adapter.segment(f"<answer>{question.options[LETTERS.index(question.answer)]}</answer>{IM_END}")
+    return sequence + answer, mask + [True] * len(answer)
+
+
+def keyed_rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(list(key))

@@ -1,0 +1,195 @@
+"""Batched multi-turn rollouts with a crop tool: generate until a tool call or an answer, run the tool,
+show its result as a new turn, go on.
+
+Every active conversation of a batch generates together (left-padded, KV cache within a turn; the
+conversation is prefilled again at the next turn, after the tool's image was appended). Conversations
+are kept as token ids (`Segment`s) and are never re-tokenized: what the policy sampled is exactly what
+it is trained on, with its log-probs at sampling time. Tool results (image or error text) are tokens
+the model did not choose and are masked out of the loss.
+
+A rollout ends with an answer (the assistant turn closes with ``<|im_end|>``), or cleanly at a limit:
+`max_turns` (a tool call on the last allowed turn is not run), `max_images`, `max_tokens` (the whole
+conversation) or `truncated` (a turn used `max_new_tokens` without closing). The reason is recorded.
+Malformed tool calls never raise: the error text goes back to the model and is counted.
+
+`tool_mode` turns the same model into the reference policies of an evaluation: "always" starts the
+first turn with ``<tool_call>`` (a forced token, not trained), "never" forbids that token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from PIL import Image
+
+from mmrl.config import option
+from mmrl.noise import NoiseKey
+from mmrl.rewards import extract_answer
+from vlm_rl.data import Question, question_text
+from vlm_rl.models import IM_END, TOOL_CALL_END, Segment, VLMAdapter
+from vlm_rl.tools import CropSettings, ImageStore, ToolStats, first_tool_call
+
+TOOL_CALL_START = "<tool_call>"
+ToolMode = Literal["auto", "always", "never"]
+END_REASONS = ("answer", "max_turns", "max_images", "max_tokens", "truncated")
+
+
+@dataclass
+class ToolRolloutConfig:
+    max_turns: int = option(3, "assistant turns per rollout: tool calls plus the answer", min=1)
+    max_new_tokens: int = option(48, "tokens one assistant turn may generate", min=1)
+    max_tokens: int = option(1024, "tokens a whole conversation may hold (prompt and images included)", min=8)
+    max_images: int = option(3, "images a conversation may hold, the original included", min=1)
+    temperature: float = option(1.0, "sampling temperature", min=1e-3)
+    coordinate_space: Literal["auto", "normalized", "pixels", "resized"] = option(
+        "auto", "how the model writes boxes: [0,1] fractions, pixels, pixels of the resized view, or auto"
+    )
+    crop_padding: float = option(0.0, "fraction of a box's size added on each side of a crop", min=0.0)
+    crop_min_size: int = option(28, "smallest crop side in original pixels (smaller boxes grow)", min=1)
+    system_prompt: str | None = option(None, "system turn explaining the tool (real models need one)")
+
+
+@dataclass
+class Trajectory:
+    """One conversation: its tokens, which of them the policy sampled, and what happened."""
+
+    sequence: Segment
+    loss_mask: list[bool]  # True at tokens the policy sampled (trained), False at prompt and observations
+    old_log_probs: list[float]  # log-probs at sampling time (0 where loss_mask is False)
+    options: Sequence[str]
+    store: ImageStore
+    turns: int = 0
+    tool_stats: ToolStats = field(default_factory=ToolStats)
+    answer_text: str = ""  # the text of the last assistant turn
+    ended: str = ""  # one of END_REASONS; "" while running
+
+    @property
+    def used_tool(self) -> bool:
+        return self.tool_stats.calls > 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def answer(self) -> str | None:
+        """The option letter the conversation ends on (None without a readable answer)."""
+        return extract_answer(self.answer_text, self.options) if self.ended == "answer" else None
+
+    def append(self, segment: Segment, sampled: bool, log_probs: Sequence[float] | None = None) -> None:
+        self.sequence = self.sequence + segment
+        self.loss_mask += [sampled] * len(segment)
+        self.old_log_probs += list(log_probs) if log_probs is not None else [0.0] * len(segment)
+
+
+def prompt_segment(
+    adapter: VLMAdapter, question: Question, system_prompt: str | None, image: Image.Image | None = None
+) -> Segment:
+    """The conversation's start: (system turn,) the user turn with the image and the question, the
+    assistant header. Rollouts and demonstrations both begin with exactly these tokens."""
+    text = question_text(question.question, question.options)
+    return adapter.prompt_token_ids(text, image or question.image, system_prompt)
+
+
+@torch.no_grad()
+def rollout(
+    adapter: VLMAdapter,
+    questions: Sequence[Question],
+    cfg: ToolRolloutConfig,
+    keys: Sequence[NoiseKey] | None,
+    tool_mode: ToolMode = "auto",
+) -> list[Trajectory]:
+    """One conversation per question (repeat a question for a group). `keys[i]` keys the sampling
+    noise of conversation i (its turn goes in the key's `node`); None decodes greedily."""
+    settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
+    trajectories = []
+    for q in questions:
+        image = q.image
+        prompt = prompt_segment(adapter, q, cfg.system_prompt, image)
+        store = ImageStore(image, settings)
+        trajectories.append(Trajectory(prompt, [False] * len(prompt), [0.0] * len(prompt), q.options, store))
+    forced = adapter.token_ids_of([TOOL_CALL_START]) if tool_mode == "always" else []
+    for trajectory in trajectories:
+        trajectory.append(Segment(forced), sampled=False)  # the first turn starts with them
+    banned = [TOOL_CALL_START] if tool_mode == "never" else []
+    tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
+    active = list(range(len(trajectories)))
+    while active:
+        budget = min(cfg.max_tokens - len(trajectories[i].sequence) for i in active)
+        if budget <= 0:  # rows at the token limit end; the others go on
+            for i in active:
+                if len(trajectories[i].sequence) >= cfg.max_tokens:
+                    trajectories[i].ended = "max_tokens"
+            active = [i for i in active if not trajectories[i].ended]
+            continue
+        batch = adapter.collate([trajectories[i].sequence for i in active], "left")
+        turn_keys = None
+        if keys is not None:
+            turn_keys = [
+                NoiseKey(k.seed, k.step, k.prompt, trajectories[i].turns)
+                for i, k in ((i, keys[i]) for i in active)
+            ]
+        out = adapter.generate(
+            batch,
+            min(cfg.max_new_tokens, budget),
+            keys=turn_keys,
+            temperature=cfg.temperature,
+            banned_tokens=banned,
+        )
+        for row, i in enumerate(active):
+            trajectory = trajectories[i]
+            ids = out.token_ids[row]
+            trajectory.append(Segment(ids), sampled=True, log_probs=out.log_probs[row].tolist())
+            trajectory.answer_text = adapter.decode((forced if trajectory.turns == 0 else []) + ids)
+            trajectory.turns += 1
+            if not out.stopped[row]:
+                trajectory.ended = "truncated"
+            elif ids[-1] == answer_end:
+                trajectory.ended = "answer"
+            elif ids[-1] == tool_end:
+                run_tool(adapter, trajectory, cfg)
+        active = [i for i in active if not trajectories[i].ended]
+    return trajectories
+
+
+def run_tool(adapter: VLMAdapter, trajectory: Trajectory, cfg: ToolRolloutConfig) -> None:
+    """Run the tool call that ends the last turn and append its result, or end at a limit."""
+    if trajectory.turns >= cfg.max_turns:
+        trajectory.ended = "max_turns"
+        return
+    if len(trajectory.store) >= cfg.max_images:
+        trajectory.ended = "max_images"
+        return
+    call = first_tool_call(trajectory.answer_text)  # the turn ends with </tool_call>: never None
+    sizes = [image.size for image in trajectory.sequence.images]  # as the model saw them
+    observation = trajectory.store.crop(call, sizes)
+    trajectory.tool_stats.record(observation)
+    segment = adapter.observation_token_ids(observation.image if observation.ok else observation.text)
+    if len(trajectory.sequence) + len(segment) > cfg.max_tokens:
+        trajectory.ended = "max_tokens"
+        return
+    trajectory.append(segment, sampled=False)
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory], correct: Sequence[bool]) -> dict[str, float]:
+    """Accuracy, tool use and its errors, accuracy with and without tools, tokens per answer, endings."""
+    n = len(trajectories)
+    used = [t.used_tool for t in trajectories]
+    with_tool = [c for c, u in zip(correct, used, strict=True) if u]
+    without = [c for c, u in zip(correct, used, strict=True) if not u]
+    metrics = {
+        "accuracy": sum(correct) / max(n, 1),
+        "tool_ratio": sum(used) / max(n, 1),
+        "accuracy_with_tool": sum(with_tool) / len(with_tool) if with_tool else float("nan"),
+        "accuracy_without_tool": sum(without) / len(without) if without else float("nan"),
+        "tokens_per_answer": sum(t.generated_tokens for t in trajectories) / max(n, 1),
+        "turns": sum(t.turns for t in trajectories) / max(n, 1),
+    }
+    metrics |= sum((t.tool_stats for t in trajectories), ToolStats()).as_metrics()
+    metrics |= {
+        f"ended_{reason}": sum(t.ended == reason for t in trajectories) / max(n, 1) for reason in END_REASONS
+    }
+    return metrics

@@ -1,0 +1,257 @@
+"""GRPO for tool-using VLMs with rollout-guided adaptive rewards (`tool_grpo`).
+
+One step, top to bottom in `ToolGRPOTrainer.train_step`:
+
+1. the sampler picks questions (default: Beta-Thompson on each question's correctness, VADE-style,
+   so questions the policy gets right about half the time come first);
+2. `group_size` multi-turn rollouts per question (`vlm_rl.rollout`), sampling noise keyed by
+   (seed, step, rollout), so a rollout does not depend on the batch it was generated in;
+3. rewards from the whole group (`vlm_rl.rewards.adaptive_tool`: a correct direct answer beats a
+   correct zoom when the question is answerable without one, a zoom wins when it is not);
+4. groups whose rewards are all equal teach nothing and are dropped (dynamic filtering); the
+   sampler's posterior absorbs every group's correctness;
+5. group-normalised advantages, PPO-clip on every token the policy sampled (observation tokens are
+   masked), `train.minibatches` optimizer steps per rollout batch.
+
+Metrics every step: reward, accuracy, tool-usage ratio, accuracy with and without the tool,
+tool-call errors by kind, tokens per answer, how rollouts ended, groups kept.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from accelerate.utils import gather_object
+
+from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.losses import kl_to_reference, ppo_clip
+from mmrl.noise import NoiseKey
+from mmrl.registry import ADVANTAGES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
+from mmrl.samplers import keep_groups
+from mmrl.trainer import Trainer
+from vlm_rl.data import DataConfig, QuestionSet
+from vlm_rl.evaluate import evaluate_questions
+from vlm_rl.models import VLMAdapter
+from vlm_rl.rollout import ToolRolloutConfig, Trajectory, rollout, rollout_metrics
+
+DEFAULT_MODEL = "runs/pretrain/vlm/model"
+
+
+@dataclass
+class PolicyConfig:
+    path: str = option(DEFAULT_MODEL, "local VLM checkpoint (`mmrl pretrain vlm` writes the tiny default)")
+
+
+@dataclass
+class ToolGRPOTrainConfig:
+    lr: float = option(1e-4, "AdamW learning rate", min=0.0)
+    questions_per_step: int = option(8, "questions per step on each process", min=1)
+    group_size: int = option(8, "rollouts per question", min=2)
+    sampler: str = option("beta_thompson", "question sampler", registry="sampler")
+    filter_equal_groups: bool = option(True, "drop groups whose rewards are all equal (no signal)")
+    advantage: str = option("grpo", "advantage estimator over each question's group", registry="advantage")
+    clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0)
+    clip_high: float = option(0.28, "PPO ratio clip above 1 (DAPO clip-higher)", min=0.0)
+    adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
+    kl_coef: float = option(0.0, "weight of the k3 KL to the frozen start model", min=0.0)
+    minibatches: int = option(2, "optimizer steps per rollout batch", min=1)
+    micro_batch: int = option(32, "sequences per forward/backward", min=1)
+    aggregation: Literal["token_mean", "sequence_mean"] = option("token_mean", "loss aggregation")
+    max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+
+
+@dataclass
+class ToolRewardConfig:
+    name: str = option("adaptive_tool", "reward (see `mmrl list`)", registry="reward")
+    options: dict = option({}, "keyword options of the reward factory, e.g. {scheme: tool_cost}")
+
+
+@dataclass
+class ToolGRPOConfig(BaseConfig):
+    trainer: str = option("tool_grpo", "trainer name", registry="trainer")
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: ToolRolloutConfig = field(default_factory=ToolRolloutConfig)
+    train: ToolGRPOTrainConfig = field(default_factory=ToolGRPOTrainConfig)
+    reward: ToolRewardConfig = field(default_factory=ToolRewardConfig)
+    eval_modes: list[str] = option(["auto", "always", "never"], "tool modes evaluated before and after")
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.eval_modes if m not in ("auto", "always", "never")]
+        if bad:
+            raise ConfigError(
+                f"config error: eval_modes = {self.eval_modes}: {bad} not in auto, always, never"
+            )
+
+
+def load_policy(path: str) -> VLMAdapter:
+    try:
+        return VLMAdapter.from_pretrained(path)
+    except FileNotFoundError as err:
+        hint = "; run `mmrl pretrain vlm` first" if path == DEFAULT_MODEL else ""
+        raise ConfigError(f"config error: model.path = {path!r}: {err}{hint}") from None
+    except ValueError as err:
+        raise ConfigError(f"config error: model.path = {path!r}: {err}") from None
+
+
+@TRAINERS.register("tool_grpo")
+class ToolGRPOTrainer(Trainer):
+    config_class = ToolGRPOConfig
+    config: ToolGRPOConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.adapter = load_policy(cfg.model.path).to(self.accelerator.device)
+        self.train_set = QuestionSet(cfg.data, "train")
+        heldout = QuestionSet(cfg.data, "heldout")
+        self.heldout = [heldout[i] for i in range(len(heldout))]
+        try:
+            self.reward_fn = REWARDS.get(cfg.reward.name)(**cfg.reward.options)
+        except UnknownNameError as err:
+            raise ConfigError(f"config error: reward.name: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
+        self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_set), seed=cfg.seed)
+        self.reference = None
+        if cfg.train.kl_coef > 0:
+            self.reference = copy.deepcopy(self.adapter.model).requires_grad_(False)
+        optimizer = torch.optim.AdamW(self.adapter.model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+        self.model, self.optimizer = self.accelerator.prepare(self.adapter.model, optimizer)
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def evaluate(self) -> dict[str, float]:
+        self.adapter.model.eval()
+        return evaluate_questions(self.adapter, self.heldout, self.config.rollout, self.config.eval_modes)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.config
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        n, g = cfg.train.questions_per_step, cfg.train.group_size
+        chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
+        slots = list(range(rank, n * world, world))
+        questions = [self.train_set[chosen[s]] for s in slots]
+        keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
+        self.adapter.model.eval()
+        trajectories = rollout(self.adapter, [q for q in questions for _ in range(g)], cfg.rollout, keys)
+
+        answers = [q.answer for q in questions for _ in range(g)]
+        correct = [t.answer == a for t, a in zip(trajectories, answers, strict=True)]
+        group_ids = [s for s in slots for _ in range(g)]
+        rewards = self.reward_fn(
+            [t.answer_text if t.ended == "answer" else "" for t in trajectories],
+            answers=answers,
+            options=[t.options for t in trajectories],
+            used_tool=[t.used_tool for t in trajectories],
+            group_ids=group_ids,
+        ).float()
+
+        # every process sees every group, so the sampler's state stays identical on all of them
+        gathered = gather_object([(slots, rewards.tolist(), [float(c) for c in correct])])
+        all_slots = [s for part in gathered for s in part[0]]
+        all_rewards = torch.tensor([r for part in gathered for r in part[1]])
+        all_correct = torch.tensor([c for part in gathered for c in part[2]])
+        group_of_rollout = torch.tensor(all_slots).repeat_interleave(g)  # group j: question chosen[j]
+        self.sampler.update(chosen, all_correct, group_of_rollout)
+        keep = torch.ones(len(chosen), dtype=torch.bool)
+        if cfg.train.filter_equal_groups:
+            keep = keep_groups(all_rewards, group_of_rollout, num_groups=len(chosen))
+        advantages = self.advantages(rewards, slots, keep)
+
+        metrics = self.optimise(trajectories, advantages, step)
+        metrics |= rollout_metrics(trajectories, correct)
+        metrics |= {
+            "reward": rewards.mean(),
+            "groups_kept": keep.float().mean(),
+            "trained_sequences": int((advantages != 0).sum()),
+        }
+        return metrics
+
+    def advantages(self, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor) -> torch.Tensor:
+        """Group-normalised advantage per rollout of this process; 0 for dropped groups."""
+        cfg = self.config.train
+        groups = torch.arange(len(slots)).repeat_interleave(cfg.group_size)
+        result = ADVANTAGES.get(cfg.advantage)(rewards, groups)
+        values = (result.values * result.loss_mask).clamp(-cfg.adv_clip, cfg.adv_clip)
+        return values * keep[torch.tensor(slots)].repeat_interleave(cfg.group_size).float()
+
+    def optimise(self, trajectories: list[Trajectory], advantages: torch.Tensor, step: int) -> dict[str, Any]:
+        """PPO-clip on the sampled tokens, `train.minibatches` optimizer steps over a keyed shuffle."""
+        cfg = self.config.train
+        order = torch.randperm(
+            len(trajectories), generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        ).tolist()
+        parts = [order[i :: cfg.minibatches] for i in range(cfg.minibatches)]
+        self.adapter.model.train()
+        stats: list[tuple[int, dict[str, Any], float]] = []
+        grad_norms = []
+        for part in parts:
+            self.optimizer.zero_grad(set_to_none=True)
+            tokens = sum(trajectories[i].generated_tokens for i in part)
+            for start in range(0, len(part), cfg.micro_batch):
+                rows = part[start : start + cfg.micro_batch]
+                loss, metrics = self.micro_batch_loss([trajectories[i] for i in rows], advantages[rows])
+                weight = sum(trajectories[i].generated_tokens for i in rows) / max(tokens, 1)
+                if cfg.aggregation == "sequence_mean":
+                    weight = len(rows) / len(part)
+                self.accelerator.backward(loss * weight)
+                stats.append((len(rows), metrics, float(loss.detach())))
+            grad_norms.append(
+                float(self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+            )
+            self.optimizer.step()
+        total = sum(count for count, _, _ in stats)
+        merged = {k: sum(c * float(m[k]) for c, m, _ in stats) / total for k in stats[0][1]}
+        return {
+            "loss": sum(c * v for c, _, v in stats) / total,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+        } | merged
+
+    def micro_batch_loss(
+        self, trajectories: list[Trajectory], advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        cfg = self.config
+        batch = self.adapter.collate([t.sequence for t in trajectories], "right")
+        length = batch["input_ids"].shape[1]
+        mask = torch.zeros(len(trajectories), length, dtype=torch.bool)
+        old = torch.zeros(len(trajectories), length)
+        for row, t in enumerate(trajectories):
+            mask[row, : len(t.loss_mask)] = torch.tensor(t.loss_mask)
+            old[row, : len(t.old_log_probs)] = torch.tensor(t.old_log_probs)
+        device = self.adapter.device
+        mask, old = mask.to(device), old.to(device)
+        logp = self.adapter.token_log_probs(
+            batch, mask, model=self.model, temperature=cfg.rollout.temperature
+        )
+        out = ppo_clip(
+            logp,
+            old,
+            advantages.to(device),
+            mask=mask,
+            clip_low=cfg.train.clip_low,
+            clip_high=cfg.train.clip_high,
+            aggregation=cfg.train.aggregation,
+        )
+        loss, metrics = out.loss, dict(out.metrics)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.adapter.token_log_probs(
+                    batch, mask, model=self.reference, temperature=cfg.rollout.temperature
+                )
+            kl = (kl_to_reference(logp, ref, kind="k3") * mask).sum() / mask.sum().clamp(min=1)
+            loss = loss + cfg.train.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        return loss, metrics
+
+    def train(self) -> dict[str, Any]:
+        result = super().train()
+        if self.is_main:
+            self.adapter.save_pretrained(self.run_dir / "model")
+        return result
