@@ -18,7 +18,6 @@ steps inside the window and at split steps, ODE elsewhere, and only SDE steps ar
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -418,20 +417,17 @@ class BranchGRPOTrainer(Trainer):
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=0.0)
         self.model, self.optimizer = self.accelerator.prepare(self.pipe.denoiser, optimizer)
         self.sampler = UniformSampler(len(self.prompts), seed=cfg.seed)
-        self.nan_streak = 0
-        self.skipped_steps = 0
         self.plan = plan_for(cfg.rollout)
         self.uncond_one = self.pipe.encode_prompts([""])
 
     def trainer_state(self) -> dict[str, Any]:
-        state = {"sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps}
+        state = {"sampler": self.sampler.state_dict()}
         if self.ema is not None:
             state["ema"] = self.ema
         return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.skipped_steps = state["skipped_steps"]
         if self.ema is not None:
             for ema, saved in zip(self.ema, state["ema"], strict=True):
                 ema.copy_(saved)
@@ -497,7 +493,7 @@ class BranchGRPOTrainer(Trainer):
         leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
         rewards, images = self.score(leaves, leaf_prompts)
         if not torch.isfinite(rewards).all():
-            return self.skip_step("non-finite reward")
+            return self.skip_step("non-finite reward", cfg.train.nan_patience)
         if cfg.explore.enabled:
             metrics["kendall_tau_lowp_vs_full"] = self.rank_agreement(trees, rewards)
         offset = 0
@@ -654,12 +650,12 @@ class BranchGRPOTrainer(Trainer):
                     kl = gaussian_kl_same_std(out.mean, ref.mean, out.std).mean()
                     loss = loss + cfg.train.kl_coef * kl
                 if not self.all_finite(loss, out.log_prob):
-                    return self.skip_step("non-finite loss or log-prob")
+                    return self.skip_step("non-finite loss or log-prob", cfg.train.nan_patience)
                 self.accelerator.backward(loss * len(chunk) / len(minibatch))
                 stats.append((len(chunk), result.metrics, float(loss.detach())))
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
             if not torch.isfinite(torch.as_tensor(grad_norm)):
-                return self.skip_step("non-finite gradient")
+                return self.skip_step("non-finite gradient", cfg.train.nan_patience)
             self.optimizer.step()
             grad_norms.append(float(grad_norm))
             if self.ema is not None:
@@ -674,14 +670,6 @@ class BranchGRPOTrainer(Trainer):
             "grad_norm": sum(grad_norms) / len(grad_norms),
             **merged,
         }
-
-    def all_finite(self, *tensors: torch.Tensor) -> bool:
-        """Whether every process's tensors are finite, so that all processes skip a step together
-        (a process that skipped alone would leave the others waiting in the gradient all-reduce)."""
-        bad = torch.tensor(
-            [float(not all(torch.isfinite(t).all() for t in tensors))], device=self.pipe.device
-        )
-        return float(self.accelerator.reduce(bad, reduction="sum")) == 0.0
 
     def chunk_log_probs(
         self,
@@ -741,17 +729,6 @@ class BranchGRPOTrainer(Trainer):
             log_prob[idx], mean[idx] = part.log_prob, part.mean
             std[idx] = part.std.expand((len(idx),) + (1,) * (x.dim() - 1))
         return StepOutput(x_next, log_prob, mean, std)
-
-    def skip_step(self, reason: str) -> dict[str, Any]:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nan_streak += 1
-        self.skipped_steps += 1
-        if self.nan_streak >= self.config.train.nan_patience:
-            raise TrainingStopped(
-                f"{reason} in {self.nan_streak} steps in a row (train.nan_patience = "
-                f"{self.config.train.nan_patience})"
-            )
-        return {"loss": math.nan, "skipped": 1}
 
     def train(self) -> dict[str, Any]:
         result = super().train()

@@ -10,6 +10,7 @@ at any point and resumed ends with the same parameters as one that never stopped
 from __future__ import annotations
 
 import json
+import math
 import random
 import warnings
 from pathlib import Path
@@ -52,6 +53,8 @@ class Trainer:
         self.run_dir = Path(config.output_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.samples_dir = self.run_dir / "samples"
+        self.nan_streak = 0  # non-finite steps in a row (see `skip_step`)
+        self.skipped_steps = 0
 
     # -- what a trainer implements ------------------------------------------------------------
 
@@ -112,6 +115,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
                 "trainer": self.trainer_state(),
                 "rng": {str(rank): r for rank, r in enumerate(rngs)},
+                "skipped": {"steps": self.skipped_steps, "streak": self.nan_streak},
             }
             save_checkpoint(
                 self.checkpoint_dir,
@@ -137,6 +141,8 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(checkpoint.state["scheduler"])
         self.load_trainer_state(checkpoint.state["trainer"])
+        skipped = checkpoint.state.get("skipped", {"steps": 0, "streak": 0})
+        self.skipped_steps, self.nan_streak = int(skipped["steps"]), int(skipped["streak"])
         rngs = checkpoint.state["rng"]
         rank = str(self.accelerator.process_index)
         if rank not in rngs:
@@ -187,6 +193,25 @@ class Trainer:
         if log is not None:
             log.close()
         return after
+
+    def all_finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether every process's tensors are finite, so that all processes skip a step together
+        (a process that skipped alone would leave the others waiting in the gradient all-reduce)."""
+        bad = float(not all(bool(torch.isfinite(t).all()) for t in tensors))
+        total = self.accelerator.reduce(torch.tensor([bad], device=self.accelerator.device), reduction="sum")
+        return float(total) == 0.0
+
+    def skip_step(self, reason: str, patience: int) -> dict[str, Any]:
+        """Drop this step's update (a NaN loss, log-prob or gradient is data, not a crash); after
+        `patience` such steps in a row, stop the run with a checkpoint and the reason."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nan_streak += 1
+        self.skipped_steps += 1
+        if self.nan_streak >= patience:
+            raise TrainingStopped(
+                f"{reason} in {self.nan_streak} steps in a row (train.nan_patience = {patience})"
+            )
+        return {"loss": math.nan, "skipped": 1, "skipped_steps": self.skipped_steps}
 
     def stop(self, step: int, reason: str) -> None:
         """Checkpoint the last completed step and record why the run stopped."""

@@ -212,6 +212,59 @@ def test_sft_then_grpo_train_save_and_resume(vlm, tmp_path):
     assert json.loads((tmp_path / "straight" / "eval.json").read_text())["after"]["auto_accuracy"] >= 0.0
 
 
-def test_bad_model_path_is_one_clear_error(tmp_path, capsys):
-    assert main(["train", "vlm/tool_grpo", f"output_dir={tmp_path}", "model.path=/nonexistent"]) == 2
-    assert "model.path" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.path=/nonexistent", "model.path = '/nonexistent'"),
+        ("eval_modes=[auto,sometimes]", "choose one of auto, always, never"),
+        ("reward.options={scheme: rank}", "unknown scheme 'rank'"),
+        ("train.aggregation=sum", "train.aggregation"),
+    ],
+)
+def test_bad_config_is_one_clear_error(tmp_path, capsys, override, message):
+    assert main(["train", "vlm/tool_grpo", f"output_dir={tmp_path}", override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_vlm_compares_the_same_conversations(tmp_path, vlm, capsys):
+    from vlm_rl.bench import bench_vlm
+
+    vlm.save_pretrained(tmp_path)
+    rows = bench_vlm(rollouts=6, model=str(tmp_path))
+    assert [row["variant"] for row in rows] == ["per-sample generate loop", "batched multi-turn engine"]
+    assert rows[1]["same_conversations"] and rows[0]["tokens"] == rows[1]["tokens"] > 0
+    assert rows[1]["ratio"] == rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
+    assert "batched / per-sample" in capsys.readouterr().out
+
+
+def test_nan_losses_are_skipped_then_stop_the_run_with_a_checkpoint(vlm, tmp_path, monkeypatch):
+    vlm.save_pretrained(tmp_path / "base")
+    original = VLMAdapter.token_log_probs
+
+    def poisoned(self, batch, mask, model=None, temperature=1.0):
+        return original(self, batch, mask, model, temperature) * float("nan")
+
+    monkeypatch.setattr(VLMAdapter, "token_log_probs", poisoned)
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "vlm/tool_grpo",
+            f"output_dir={out}",
+            f"model.path={tmp_path / 'base'}",
+            "progress=false",
+            "steps=5",
+            "train.questions_per_step=1",
+            "train.group_size=2",
+            "train.nan_patience=2",
+            "data.heldout_size=2",
+            "eval_modes=[auto]",
+            "rollout.max_new_tokens=4",
+        ]
+    )
+    assert code == 1
+    stopped = json.loads((out / "stopped.json").read_text())
+    assert stopped["step"] == 1 and "non-finite loss in 2 steps in a row" in stopped["reason"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["skipped"] == 1 and rows[0]["skipped_steps"] == 1
+    assert (out / "checkpoints" / "step_00000001" / "manifest.json").is_file()

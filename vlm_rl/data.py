@@ -56,12 +56,18 @@ class DataConfig:
     )
     detail_fraction: float = option(0.3, "synthetic: share of questions that need a zoom", min=0.0, max=1.0)
     canvas_size: int = option(448, "synthetic: image side in pixels", min=32)
+    max_large: int = option(
+        1, "synthetic: large shapes per image, 1 to 3 (more: questions name them)", min=1, max=3
+    )
     seed: int = option(0, "synthetic: data seed", min=0)
 
 
 def synthetic_question(index: int, split: str, cfg: DataConfig) -> Question:
     example = make_example(
-        index, cfg.seed, split, TaskConfig(canvas_size=cfg.canvas_size, detail_fraction=cfg.detail_fraction)
+        index,
+        cfg.seed,
+        split,
+        TaskConfig(canvas_size=cfg.canvas_size, detail_fraction=cfg.detail_fraction, max_large=cfg.max_large),
     )
     return Question(
         example.question,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from PIL import Image
@@ -34,6 +34,7 @@ from vlm_rl.tools import CropSettings, ImageStore, ToolStats, first_tool_call
 
 TOOL_CALL_START = "<tool_call>"
 ToolMode = Literal["auto", "always", "never"]
+TOOL_MODES = get_args(ToolMode)
 END_REASONS = ("answer", "max_turns", "max_images", "max_tokens", "truncated")
 
 

@@ -25,18 +25,20 @@ from mmrl.trainer import Trainer
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, keyed_rng, task_vocabulary
 from vlm_rl.evaluate import evaluate_questions
 from vlm_rl.models import TinyVLMSpec, VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, prompt_segment
+from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, prompt_segment
+from vlm_rl.trainer import load_policy
 
 
 @dataclass
 class VLMModelConfig:
     path: str | None = option(None, "local checkpoint to fine-tune; null builds a new tiny Qwen2-VL")
     architecture: Literal["qwen2_vl", "qwen2_5_vl"] = option("qwen2_vl", "tiny model: architecture")
-    hidden: int = option(64, "tiny model: text width", min=8)
-    layers: int = option(2, "tiny model: text layers", min=1)
-    vision_width: int = option(32, "tiny model: vision tower width", min=8)
+    hidden: int = option(128, "tiny model: text width", min=8)
+    layers: int = option(4, "tiny model: text layers", min=1)
+    vision_width: int = option(64, "tiny model: vision tower width", min=8)
     vision_depth: int = option(2, "tiny model: vision blocks", min=1)
-    max_pixels: int = option(112 * 112, "image processor: most pixels per image after resizing", min=784)
+    patch_size: int = option(7, "tiny model: vision patch side in pixels (Qwen2-VL's is 14)", min=2)
+    max_pixels: int = option(112 * 112, "image processor: most pixels per image after resizing", min=196)
 
 
 @dataclass
@@ -56,22 +58,14 @@ class VLMSFTConfig(BaseConfig):
     data: DataConfig = field(default_factory=DataConfig)
     rollout: ToolRolloutConfig = field(default_factory=ToolRolloutConfig)
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
-    eval_modes: list[str] = option(["auto", "always", "never"], "tool modes evaluated before and after")
-
-    def __post_init__(self) -> None:
-        bad = [m for m in self.eval_modes if m not in ("auto", "always", "never")]
-        if bad:
-            raise ConfigError(
-                f"config error: eval_modes = {self.eval_modes}: {bad} not in auto, always, never"
-            )
+    eval_modes: list[str] = option(
+        list(TOOL_MODES), "tool modes evaluated before and after", choices=TOOL_MODES
+    )
 
 
 def load_or_build(cfg: VLMModelConfig, data: DataConfig, seed: int) -> VLMAdapter:
     if cfg.path is not None:
-        try:
-            return VLMAdapter.from_pretrained(cfg.path)
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"config error: model.path = {cfg.path!r}: {err}") from None
+        return load_policy(cfg.path)
     if data.source != "zoom_task":
         raise ConfigError(
             "config error: a new tiny model needs the synthetic task's vocabulary; with data.source = "
@@ -83,6 +77,8 @@ def load_or_build(cfg: VLMModelConfig, data: DataConfig, seed: int) -> VLMAdapte
         layers=cfg.layers,
         vision_width=cfg.vision_width,
         vision_depth=cfg.vision_depth,
+        patch_size=cfg.patch_size,
+        min_pixels=(2 * cfg.patch_size) ** 2 * 4,
         max_pixels=cfg.max_pixels,
     )
     return VLMAdapter.tiny(task_vocabulary(data), spec, seed=seed)

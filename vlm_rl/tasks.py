@@ -1,9 +1,10 @@
 """The tiny default task for learning *when* to zoom: multiple-choice questions about a large image.
 
-Each example is one high-resolution canvas (448x448 by default) on a dark background with 1-3
-LARGE shapes (21-40 % of the side across) and 3-6 SMALL objects (2-3.5 %, 9-16 px at 448). A model
-first sees a downscaled overview (e.g. 112x112), where a small object is a 2-4 px blob, and may crop
-a region, which it then sees at the same view size (a 3x scale-up: the object is 7-12 px there).
+Each example is one high-resolution canvas (448x448 by default) on a dark background with 1 to
+`max_large` (3) LARGE shapes (21-40 % of the side across) and 3-6 SMALL objects (2-3.5 %, 9-16 px at
+448). A model first sees a downscaled overview (e.g. 112x112), where a small object is a 2-4 px blob,
+and may crop a region, which it then sees at the same view size (a 3x scale-up: the object is 7-12
+px there).
 
 Questions have 4 options (letters A-D), one of them right:
 
@@ -88,7 +89,7 @@ REGIONS: dict[str, Box] = {
 
 LARGE_SIZE = (0.24, 0.32)  # equal-area circle diameter, fraction of the side
 SMALL_SIZE = (0.022, 0.028)
-LARGE_COUNT = (1, 3)
+MAX_LARGE = 3
 SMALL_COUNT = (3, 6)
 _GAP = 0.03  # least distance between the bounding boxes of two objects
 _BORDER = 0.02  # least distance from a large shape to the image border
@@ -131,8 +132,11 @@ class TaskConfig:
     canvas_size: int = 448
     detail_fraction: float = 0.3  # chance that an example asks a detail (zoom) question
     heldout_seed: int = 0  # picks the held-out colour-shape pairs
+    max_large: int = MAX_LARGE  # large shapes per image: 1 to this (1: questions need no naming)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_large <= MAX_LARGE:
+            raise ValueError(f"max_large must be in [1, {MAX_LARGE}], got {self.max_large!r}")
         if not isinstance(self.canvas_size, int) or self.canvas_size < 32:
             raise ValueError(f"canvas_size must be an int >= 32, got {self.canvas_size!r}")
         if not 0.0 <= self.detail_fraction <= 1.0:
@@ -204,7 +208,7 @@ def make_example(
         raise ValueError(f"index and seed must be >= 0, got index={index}, seed={seed}")
     rng = np.random.default_rng([SPLITS.index(split), seed, index])
     held_out = set(heldout_pairs(config.heldout_seed))
-    objects = _sample_scene(rng, split, held_out)
+    objects = _sample_scene(rng, split, held_out, config.max_large)
     detail = rng.random() < config.detail_fraction
     if detail:
         target = int(rng.choice([i for i, obj in enumerate(objects) if not obj.large]))
@@ -252,21 +256,21 @@ def _global_question(
 
 
 def _sample_scene(
-    rng: np.random.Generator, split: str, held_out: set[tuple[str, str]]
+    rng: np.random.Generator, split: str, held_out: set[tuple[str, str]], max_large: int
 ) -> tuple[SceneObject, ...]:
     while True:  # start afresh when the large shapes leave no room
-        large = _place_large(rng, _large_kinds(rng, split, held_out))
+        large = _place_large(rng, _large_kinds(rng, split, held_out, max_large))
         small = _place_small(rng, large) if large else ()
         if small:
             return large + small
 
 
 def _large_kinds(
-    rng: np.random.Generator, split: str, held_out: set[tuple[str, str]]
+    rng: np.random.Generator, split: str, held_out: set[tuple[str, str]], max_large: int
 ) -> list[tuple[str, str]]:
     """Distinct colours and shapes; a held-out pair among them exactly when the split is held out."""
     while True:
-        n = int(rng.integers(LARGE_COUNT[0], LARGE_COUNT[1] + 1))
+        n = int(rng.integers(1, max_large + 1))
         colours = rng.choice(list(COLOURS), size=n, replace=False)
         shapes = rng.choice(SHAPES, size=n, replace=False)
         kinds = [(str(c), str(s)) for c, s in zip(colours, shapes, strict=True)]

@@ -35,7 +35,7 @@ from mmrl.trainer import Trainer
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.evaluate import evaluate_questions
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, Trajectory, rollout, rollout_metrics
+from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, Trajectory, rollout, rollout_metrics
 
 DEFAULT_MODEL = "runs/pretrain/vlm/model"
 
@@ -61,6 +61,7 @@ class ToolGRPOTrainConfig:
     micro_batch: int = option(32, "sequences per forward/backward", min=1)
     aggregation: Literal["token_mean", "sequence_mean"] = option("token_mean", "loss aggregation")
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
 
 
 @dataclass
@@ -77,24 +78,18 @@ class ToolGRPOConfig(BaseConfig):
     rollout: ToolRolloutConfig = field(default_factory=ToolRolloutConfig)
     train: ToolGRPOTrainConfig = field(default_factory=ToolGRPOTrainConfig)
     reward: ToolRewardConfig = field(default_factory=ToolRewardConfig)
-    eval_modes: list[str] = option(["auto", "always", "never"], "tool modes evaluated before and after")
-
-    def __post_init__(self) -> None:
-        bad = [m for m in self.eval_modes if m not in ("auto", "always", "never")]
-        if bad:
-            raise ConfigError(
-                f"config error: eval_modes = {self.eval_modes}: {bad} not in auto, always, never"
-            )
+    eval_modes: list[str] = option(
+        list(TOOL_MODES), "tool modes evaluated before and after", choices=TOOL_MODES
+    )
 
 
 def load_policy(path: str) -> VLMAdapter:
+    """A local checkpoint; a missing or unusable one is a config error naming model.path."""
     try:
         return VLMAdapter.from_pretrained(path)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         hint = "; run `mmrl pretrain vlm` first" if path == DEFAULT_MODEL else ""
         raise ConfigError(f"config error: model.path = {path!r}: {err}{hint}") from None
-    except ValueError as err:
-        raise ConfigError(f"config error: model.path = {path!r}: {err}") from None
 
 
 @TRAINERS.register("tool_grpo")
@@ -104,16 +99,16 @@ class ToolGRPOTrainer(Trainer):
 
     def setup(self) -> None:
         cfg = self.config
-        self.adapter = load_policy(cfg.model.path).to(self.accelerator.device)
-        self.train_set = QuestionSet(cfg.data, "train")
-        heldout = QuestionSet(cfg.data, "heldout")
-        self.heldout = [heldout[i] for i in range(len(heldout))]
         try:
             self.reward_fn = REWARDS.get(cfg.reward.name)(**cfg.reward.options)
         except UnknownNameError as err:
             raise ConfigError(f"config error: reward.name: {err}") from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
+        self.train_set = QuestionSet(cfg.data, "train")
+        heldout = QuestionSet(cfg.data, "heldout")
+        self.heldout = [heldout[i] for i in range(len(heldout))]
+        self.adapter = load_policy(cfg.model.path).to(self.accelerator.device)
         self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_set), seed=cfg.seed)
         self.reference = None
         if cfg.train.kl_coef > 0:
@@ -168,6 +163,7 @@ class ToolGRPOTrainer(Trainer):
         metrics = self.optimise(trajectories, advantages, step)
         metrics |= rollout_metrics(trajectories, correct)
         metrics |= {
+            "skipped_steps": self.skipped_steps,
             "reward": rewards.mean(),
             "groups_kept": keep.float().mean(),
             "trained_sequences": int((advantages != 0).sum()),
@@ -198,15 +194,19 @@ class ToolGRPOTrainer(Trainer):
             for start in range(0, len(part), cfg.micro_batch):
                 rows = part[start : start + cfg.micro_batch]
                 loss, metrics = self.micro_batch_loss([trajectories[i] for i in rows], advantages[rows])
+                if not self.all_finite(loss):
+                    return self.skip_step("non-finite loss", cfg.nan_patience)
                 weight = sum(trajectories[i].generated_tokens for i in rows) / max(tokens, 1)
                 if cfg.aggregation == "sequence_mean":
                     weight = len(rows) / len(part)
                 self.accelerator.backward(loss * weight)
                 stats.append((len(rows), metrics, float(loss.detach())))
-            grad_norms.append(
-                float(self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-            )
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            if not self.all_finite(torch.as_tensor(grad_norm)):
+                return self.skip_step("non-finite gradient", cfg.nan_patience)
+            grad_norms.append(float(grad_norm))
             self.optimizer.step()
+        self.nan_streak = 0
         total = sum(count for count, _, _ in stats)
         merged = {k: sum(c * float(m[k]) for c, m, _ in stats) / total for k in stats[0][1]}
         return {
