@@ -268,3 +268,39 @@ def test_nan_losses_are_skipped_then_stop_the_run_with_a_checkpoint(vlm, tmp_pat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["skipped"] == 1 and rows[0]["skipped_steps"] == 1
     assert (out / "checkpoints" / "step_00000001" / "manifest.json").is_file()
+
+
+def test_questions_from_jsonl_files(vlm, tmp_path, capsys):
+    from vlm_rl.tasks import make_examples, write_benchmark
+
+    train = write_benchmark(make_examples(6, seed=1), tmp_path / "train")
+    held = write_benchmark(make_examples(3, seed=1, split="heldout"), tmp_path / "held")
+    vlm.save_pretrained(tmp_path / "base")
+    common = [
+        "train",
+        "vlm/tool_grpo",
+        f"model.path={tmp_path / 'base'}",
+        f"data.source={train}",
+        "steps=1",
+        "train.questions_per_step=2",
+        "train.group_size=2",
+        "eval_modes=[auto]",
+        "rollout.max_new_tokens=4",
+        "progress=false",
+    ]
+    assert main([*common, f"output_dir={tmp_path / 'a'}"]) == 2
+    assert "needs data.heldout_file" in capsys.readouterr().err
+    assert main([*common, f"output_dir={tmp_path / 'b'}", f"data.heldout_file={held}"]) == 0
+    assert json.loads((tmp_path / "b" / "eval.json").read_text())["after"]["auto_answered"] >= 0.0
+    assert (
+        main(
+            [
+                *common,
+                f"output_dir={tmp_path / 'c'}",
+                "data.source=/nonexistent.jsonl",
+                f"data.heldout_file={held}",
+            ]
+        )
+        == 2
+    )
+    assert "does not exist" in capsys.readouterr().err

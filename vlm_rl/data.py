@@ -85,6 +85,11 @@ class QuestionSet:
 
     def __init__(self, cfg: DataConfig, split: str) -> None:
         self.cfg, self.split = cfg, split
+        if cfg.source != "zoom_task" and cfg.heldout_file is None:
+            raise ConfigError(
+                f"config error: data.source = {cfg.source!r} needs data.heldout_file (a jsonl of held-out "
+                "questions): evaluating on the training file would measure memorisation"
+            )
         path = cfg.source if split == "train" else cfg.heldout_file or cfg.source
         self.rows: list[Question] | None = None
         if path != "zoom_task":
