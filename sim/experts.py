@@ -1,0 +1,148 @@
+"""Scripted experts: a pure function of the privileged state vector to an action.
+
+They keep no memory: the phase (approach, grasp, carry, place, ...) is read off the state, so an expert
+can take over from whatever state a policy left the robot in (interventions), and can label any
+stored state with an action (DAgger-style relabelling).
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+from sim import TASKS, task_id
+from sim.env import CUBE_HALF, GRIPPER_OPEN, MAX_STEP, MAX_YAW_STEP, ArmEnv
+from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
+
+OPEN, CLOSE = -1.0, 1.0
+
+
+def move(ee: np.ndarray, target: np.ndarray, grip: float, yaw_error: float = 0.0) -> np.ndarray:
+    """Action that moves the end-effector toward `target` and turns the wrist by `yaw_error` (a full step
+    each if far), with a gripper command."""
+    step = np.clip((target - ee) / MAX_STEP, -1.0, 1.0)
+    return np.array([*step, np.clip(yaw_error / MAX_YAW_STEP, -1.0, 1.0), grip], dtype=np.float32)
+
+
+def cube_yaw(quat: np.ndarray) -> float:
+    """Yaw of the cube's nearest face to the x axis, in [-pi/4, pi/4] (a cube looks the same every pi/2)."""
+    w, x, y, z = quat
+    yaw = np.arctan2(2 * (w * z + x * y), 1 - 2 * (y * y + z * z))
+    return float((yaw + np.pi / 4) % (np.pi / 2) - np.pi / 4)
+
+
+class Expert:
+    """Base expert: call it with a state vector (or a batch of them) of the task it was made for."""
+
+    def __init__(self, task: type[ArmEnv]) -> None:
+        self.layout = task.layout()
+
+    def __call__(self, state: np.ndarray) -> np.ndarray:
+        state = np.asarray(state, dtype=np.float64)
+        if state.ndim == 2:
+            return np.stack([self(s) for s in state])
+        return self.act_on({name: state[part] for name, part in self.layout.items()})
+
+    def act(self, env: gym.Env) -> np.ndarray:
+        """Action for the env's current state, whatever its obs_mode."""
+        return self(env.unwrapped.get_state())
+
+    def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
+
+
+class ReachExpert(Expert):
+    def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
+        return move(s["ee_pos"], s["goal_pos"], OPEN, -s["ee_yaw"][0])
+
+
+class PushExpert(Expert):
+    """Go above a point behind the cube (on the goal line), lower the closed gripper, push along the line."""
+
+    push_z = 0.02  # fingertips 1 cm above the table
+    travel_z = 0.08  # height to move at when not pushing
+    contact = CUBE_HALF + 0.012  # pusher centre to cube centre when touching (closed fingers are 2.4 cm)
+
+    def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
+        ee, cube, goal = s["ee_pos"], s["cube_pos"], s["goal_pos"]
+        straighten = -float(s["ee_yaw"][0])
+        to_goal = goal[:2] - cube[:2]
+        dist = np.linalg.norm(to_goal)
+        u = to_goal / max(dist, 1e-6)
+        rel = ee[:2] - cube[:2]
+        along = rel @ u
+        lateral = np.linalg.norm(rel - along * u)
+        if -0.07 < along < -0.02 and lateral < 0.012 and ee[2] < 0.035:  # in place: push
+            target_xy = cube[:2] + u * (min(dist, MAX_STEP) - self.contact)
+            return move(ee, np.append(target_xy, self.push_z), CLOSE, straighten)
+        behind = cube[:2] - u * (self.contact + 0.02)
+        if np.linalg.norm(ee[:2] - behind) < 0.01:  # above the start point: lower
+            return move(ee, np.append(behind, self.push_z), CLOSE, straighten)
+        if ee[2] < self.travel_z - 0.03 and np.linalg.norm(rel) < 0.07:  # low next to the cube: rise first
+            return move(ee, np.append(ee[:2], self.travel_z), CLOSE, straighten)
+        return move(ee, np.append(behind, self.travel_z), CLOSE, straighten)
+
+
+class PickPlaceExpert(Expert):
+    """Open above the cube, turn to its faces, lower around it, close, lift, carry above the pad, lower,
+    open, retreat."""
+
+    above_z = 0.1  # pre-grasp height of the end-effector
+    carry_z = 0.12  # carry height: the cube's bottom clears other cubes
+
+    def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
+        ee, cube, pad = s["ee_pos"], s["cube_pos"], s["goal_pos"]
+        opening = float(s["gripper"][0])
+        off_xy = np.linalg.norm(ee[:2] - cube[:2])
+        held = off_xy < 0.02 and abs(ee[2] - cube[2]) < 0.02 and opening < CUBE_HALF + 0.002
+        if held:
+            return self._carry(ee, cube, pad)
+        if np.linalg.norm(cube[:2] - pad[:2]) < 0.02 and cube[2] < CUBE_HALF + 0.005:  # placed: retreat
+            return move(ee, np.append(ee[:2], self.above_z), OPEN)
+        turn = cube_yaw(s["cube_quat"]) - float(s["ee_yaw"][0])
+        if off_xy > 0.01 or abs(turn) > 0.1:  # not above the cube: rise if low near it, else go above it
+            if ee[2] < cube[2] + 0.05 and off_xy < 0.06:
+                return move(ee, np.append(ee[:2], self.above_z), OPEN)
+            return move(ee, np.append(cube[:2], self.above_z), OPEN, turn)
+        grasp = np.append(cube[:2], max(cube[2], 0.015))
+        if ee[2] - grasp[2] > 0.008:  # above the cube: lower once the fingers are wide open
+            wide = opening > GRIPPER_OPEN - 0.005
+            return move(ee, grasp if wide else ee, OPEN, turn)
+        if opening < CUBE_HALF - 0.004:  # closed on nothing: open up again
+            return move(ee, ee, OPEN)
+        return move(ee, grasp, CLOSE, turn)
+
+    def _carry(self, ee: np.ndarray, cube: np.ndarray, pad: np.ndarray) -> np.ndarray:
+        in_hand = ee - cube  # keep the cube's offset in the hand when aiming it at the pad
+        if np.linalg.norm(cube[:2] - pad[:2]) > 0.01:
+            if cube[2] < self.carry_z - in_hand[2] - 0.03 and np.linalg.norm(cube[:2] - pad[:2]) > 0.03:
+                return move(ee, np.append(ee[:2], self.carry_z), CLOSE)  # lift before moving
+            return move(ee, np.append(pad[:2] + in_hand[:2], self.carry_z), CLOSE)
+        if cube[2] > CUBE_HALF + 0.004:  # over the pad: lower
+            return move(ee, np.append(pad[:2] + in_hand[:2], CUBE_HALF + in_hand[2]), CLOSE)
+        return move(ee, ee, OPEN)  # on the pad: release
+
+
+EXPERTS: dict[type[ArmEnv], type[Expert]] = {
+    ReachEnv: ReachExpert,
+    PushEnv: PushExpert,
+    PickPlaceEnv: PickPlaceExpert,
+}
+
+
+def expert_for(env: gym.Env | gym.vector.VectorEnv | str) -> Expert:
+    """The scripted expert for a task given by id, by a (wrapped) env or by a vector env made from an id."""
+    if isinstance(env, str):
+        task = TASKS[task_id(env)]
+    elif isinstance(env, gym.vector.VectorEnv):
+        if env.spec is None:
+            raise ValueError("this vector env has no spec (not made by gymnasium.make_vec); pass the task id")
+        task = TASKS[task_id(env.spec.id)]
+    else:
+        task = type(env.unwrapped)
+    for cls, expert in EXPERTS.items():
+        if issubclass(task, cls):
+            return expert(task)
+    raise TypeError(
+        f"no scripted expert for {task.__name__}; experts exist for {', '.join(c.__name__ for c in EXPERTS)}"
+    )
