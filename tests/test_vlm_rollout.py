@@ -74,7 +74,6 @@ def test_a_zoom_then_an_answer(vlm, questions, monkeypatch):
         (["<tool_call>[0.5, 0.5]</tool_call>"] * 3, {}, "max_turns", 2),
         ([tool_call_text((0, 0, 0.5, 0.5))] * 3, {"max_images": 2}, "max_images", 0),
         (["A A A A A A A A"], {"max_new_tokens": 4}, "truncated", 0),
-        ([tool_call_text((0, 0, 0.5, 0.5))], {"max_tokens": 90}, "max_tokens", 0),
     ],
 )
 def test_bad_calls_and_limits_end_cleanly(vlm, questions, monkeypatch, turns, cfg, ended, errors):
@@ -84,6 +83,14 @@ def test_bad_calls_and_limits_end_cleanly(vlm, questions, monkeypatch, turns, cf
     assert (t.answer is None) == (ended != "answer")
     assert sum(t.tool_stats.errors.values()) == errors
     assert len(t.sequence) <= ToolRolloutConfig(**cfg).max_tokens
+
+
+def test_an_observation_that_would_pass_the_token_limit_ends_the_rollout(vlm, questions, monkeypatch):
+    call = tool_call_text((0, 0, 0.5, 0.5))
+    scripted(vlm, monkeypatch, [call])
+    limit = len(prompt_segment(vlm, questions[0], None)) + len(vlm.segment(call)) + 5  # no room for a crop
+    (t,) = rollout(vlm, questions[:1], ToolRolloutConfig(max_tokens=limit), keys=None)
+    assert t.ended == "max_tokens" and len(t.sequence) <= limit and t.tool_stats.calls == 1
 
 
 def test_error_text_goes_back_to_the_model(vlm, questions, monkeypatch):

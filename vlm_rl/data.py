@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from mmrl.config import ConfigError, option
-from vlm_rl.models import IM_END, Segment, VLMAdapter
+from vlm_rl.models import IM_END, WORD, Segment, VLMAdapter
 from vlm_rl.tasks import COLOURS, LETTERS, REGIONS, SHAPES, TaskConfig, make_example, read_benchmark
 from vlm_rl.tools import ImageStore, ToolCall
 
@@ -144,11 +144,11 @@ def load_questions(path: str) -> list[Question]:
 
 def task_vocabulary(cfg: DataConfig, samples: int = 400) -> list[str]:
     """Every word the synthetic task's questions, options and answers use (tokenizer vocabulary)."""
-    words = {*COLOURS, *SHAPES, *LETTERS, *(w for region in REGIONS for w in region.split("-"))}
+    words = {*COLOURS, *SHAPES, *LETTERS, *(w for region in REGIONS for w in re.findall(WORD, region))}
     for split in ("train", "heldout"):
         for index in range(samples):
             q = synthetic_question(index, split, cfg)
-            words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", question_text(q.question, q.options)))
+            words.update(re.findall(WORD, question_text(q.question, q.options)))
     return sorted(words)
 
 
