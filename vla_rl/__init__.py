@@ -1,0 +1,1 @@
+"""Fine-tuning of vision-language-action robot policies in MuJoCo (HABC, baselines, datasets)."""

@@ -1,0 +1,767 @@
+"""Robot datasets in the LeRobotDataset v3.0 on-disk layout (codebase_version "v3.0", LeRobot >= 0.4).
+
+Demonstrations and online episodes are kept the way LeRobot keeps them, so that LeRobot's tools and
+policies read what we record, and LeRobot v3.0 datasets with image features can be read here:
+
+    meta/info.json                            fps, robot_type, features (dtype, shape, names), path
+                                              templates, totals, splits
+    meta/stats.json                           mean/std/min/max/count per feature (for normalisation)
+    meta/tasks.parquet                        task_index <-> task string
+    meta/episodes/chunk-000/file-000.parquet  one row per episode: its frame range and data file
+    data/chunk-000/file-000.parquet           one row per frame; file-001, ... once a file is full
+
+Images: v3.0 normally encodes cameras as MP4 (videos/<key>/chunk-000/file-000.mp4), but neither PyAV
+nor ffmpeg is available here, so camera features have dtype "image": every frame is a PNG embedded in
+the data parquet as a {"bytes", "path"} struct, with the path named after LeRobot's
+images/<key>/episode-XXXXXX/frame-XXXXXX.png layout. That is how LeRobot itself stores image features
+(it stages the PNGs there and embeds them), and it keeps a dataset to a few files instead of one per
+frame. Datasets with "video" features are refused with a message saying so.
+
+Beyond LeRobot's columns, frames carry `is_intervention` (the scripted expert chose this action) and
+`policy_executed` (a learned policy chose it); episodes carry `success`, `num_interventions`
+(policy-to-expert takeovers), `intervention_frames` and `source` ("expert", "policy" or "other").
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+CODEBASE_VERSION = "v3.0"
+CHUNK_FILE = "chunk-{chunk_index:03d}/file-{file_index:03d}"
+DATA_PATH = "data/" + CHUNK_FILE + ".parquet"
+EPISODES_PATH = "meta/episodes/" + CHUNK_FILE + ".parquet"
+IMAGE_PATH = "images/{image_key}/episode-{episode_index:06d}/frame-{frame_index:06d}.png"
+INFO_PATH, STATS_PATH, TASKS_PATH = "meta/info.json", "meta/stats.json", "meta/tasks.parquet"
+STATE_KEY, IMAGE_KEY, ACTION_KEY = "observation.state", "observation.image", "action"
+
+NUMERIC = {
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "bool": pa.bool_(),
+}
+IMAGE_STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def _scalar(dtype: str) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": [1], "names": None}
+
+
+LEROBOT_FRAME_FEATURES = {
+    "timestamp": _scalar("float32"),
+    "frame_index": _scalar("int64"),
+    "episode_index": _scalar("int64"),
+    "index": _scalar("int64"),
+    "task_index": _scalar("int64"),
+}
+FRAME_FEATURES = {  # what the writer adds to every frame: LeRobot's bookkeeping, then ours
+    **LEROBOT_FRAME_FEATURES,
+    "next.done": _scalar("bool"),
+    "is_intervention": _scalar("bool"),
+    "policy_executed": _scalar("bool"),
+}
+EPISODE_SCHEMA = pa.schema(
+    [
+        ("episode_index", pa.int64()),
+        ("tasks", pa.list_(pa.string())),
+        ("length", pa.int64()),
+        ("dataset_from_index", pa.int64()),
+        ("dataset_to_index", pa.int64()),
+        ("data/chunk_index", pa.int64()),
+        ("data/file_index", pa.int64()),
+        ("meta/episodes/chunk_index", pa.int64()),
+        ("meta/episodes/file_index", pa.int64()),
+        ("success", pa.bool_()),
+        ("num_interventions", pa.int64()),
+        ("intervention_frames", pa.int64()),
+        ("source", pa.string()),
+    ]
+)
+EPISODE_REQUIRED = ("episode_index", "length", "dataset_from_index", "dataset_to_index")
+
+
+def arrow_type(feature: Mapping[str, Any]) -> pa.DataType:
+    """The parquet column type of a feature: scalars for shape [1], fixed-size lists for vectors."""
+    if feature["dtype"] == "image":
+        return IMAGE_STRUCT
+    value = NUMERIC[feature["dtype"]]
+    return value if list(feature["shape"]) == [1] else pa.list_(value, feature["shape"][0])
+
+
+def _describe(feature: Mapping[str, Any]) -> str:
+    return f"dtype {feature['dtype']}, shape {list(feature['shape'])}"
+
+
+def _check_writer_features(features: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Validated copies of the caller's features, in the form info.json stores them."""
+    checked: dict[str, dict[str, Any]] = {}
+    for name, feature in features.items():
+        if "/" in name or name in FRAME_FEATURES:
+            raise ValueError(
+                f"feature name {name!r} is reserved or contains '/'; the writer adds {list(FRAME_FEATURES)}"
+            )
+        dtype, shape = feature.get("dtype"), [int(s) for s in feature.get("shape", ())]
+        if dtype == "image" and (len(shape) != 3 or shape[2] != 3):
+            raise ValueError(f"image feature {name!r}: shape {shape}, expected [height, width, 3]")
+        if dtype in NUMERIC and len(shape) != 1:
+            raise ValueError(f"feature {name!r}: shape {shape}; numeric features are 1-D vectors")
+        if dtype != "image" and dtype not in NUMERIC:
+            raise ValueError(f"feature {name!r}: dtype {dtype!r}; supported: {[*NUMERIC, 'image']}")
+        default_names = ["height", "width", "channels"] if dtype == "image" else None
+        checked[name] = {"dtype": dtype, "shape": shape, "names": feature.get("names") or default_names}
+    return checked
+
+
+class _Moments:
+    """Running mean/variance/min/max over episodes (Chan et al.'s pairwise merge), so stats need no
+    second pass over the data."""
+
+    def __init__(self) -> None:
+        self.n, self.frames = 0, 0
+        self.mean = self.m2 = self.min = self.max = np.zeros(0)
+
+    def update(self, values: np.ndarray, image: bool) -> None:
+        """Merge one episode's values: (T, d) numbers, or (T, H, W, C) uint8 images taken per channel
+        in [0, 1] (through a histogram: exact, and far cheaper than float arithmetic on every pixel)."""
+        if image:
+            levels = np.arange(256) / 255.0
+            hist = np.stack(
+                [np.bincount(values[..., c].ravel(), minlength=256) for c in range(values.shape[-1])]
+            )
+            m = int(hist[0].sum())
+            mean = hist @ levels / m
+            m2 = (hist * (levels - mean[:, None]) ** 2).sum(1)
+            seen = hist > 0
+            lo, hi = levels[seen.argmax(1)], levels[255 - seen[:, ::-1].argmax(1)]
+        else:
+            rows = values.reshape(len(values), -1).astype(np.float64)
+            m, mean, lo, hi = len(rows), rows.mean(0), rows.min(0), rows.max(0)
+            m2 = ((rows - mean) ** 2).sum(0)
+        if self.n == 0:
+            self.mean, self.m2, self.min, self.max = mean, m2, lo, hi
+        else:
+            delta, total = mean - self.mean, self.n + m
+            self.mean = self.mean + delta * m / total
+            self.m2 = self.m2 + m2 + delta**2 * self.n * m / total
+            self.min, self.max = np.minimum(self.min, lo), np.maximum(self.max, hi)
+        self.n, self.frames = self.n + m, self.frames + len(values)
+
+    def result(self, image: bool) -> dict[str, list]:
+        """LeRobot's stats.json entry: per dimension, or per channel as [C, 1, 1] in [0, 1] for images."""
+        shape = (-1, 1, 1) if image else (-1,)
+        stats = {"min": self.min, "max": self.max, "mean": self.mean, "std": np.sqrt(self.m2 / self.n)}
+        return {k: np.reshape(v, shape).tolist() for k, v in stats.items()} | {"count": [self.frames]}
+
+
+def _write_json(data: Any, path: Path) -> None:
+    """Write through a temporary file, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=4))
+    os.replace(tmp, path)
+
+
+def _write_tasks(path: Path, tasks: list[str]) -> None:
+    """tasks.parquet with pandas metadata that makes the task string the index, as LeRobot reads it
+    (`tasks.iloc[task_index].name`), without needing pandas here."""
+    table = pa.table(
+        {"task_index": pa.array(range(len(tasks)), pa.int64()), "task": pa.array(tasks, pa.string())}
+    )
+    column = {"field_name": None, "metadata": None}
+    pandas_meta = {
+        "index_columns": ["task"],
+        "column_indexes": [
+            {
+                "name": None,
+                "field_name": None,
+                "pandas_type": "unicode",
+                "numpy_type": "object",
+                "metadata": {"encoding": "UTF-8"},
+            },
+        ],
+        "columns": [
+            column
+            | {
+                "name": "task_index",
+                "field_name": "task_index",
+                "pandas_type": "int64",
+                "numpy_type": "int64",
+            },
+            column | {"name": "task", "field_name": "task", "pandas_type": "unicode", "numpy_type": "object"},
+        ],
+        "attributes": {},
+        "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.2.3",
+    }
+    pq.write_table(table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), path)
+
+
+def _png(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG", compress_level=1)  # level 1: fast, nearly as small
+    return buffer.getvalue()
+
+
+def _decode_png(data: bytes) -> np.ndarray:
+    return np.array(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+class DatasetWriter:
+    """Writes episodes, frame by frame, into a new LeRobot v3.0 dataset directory.
+
+    `features` maps names to {"dtype", "shape", "names"}: numeric vectors ("float32", ...) and images
+    (dtype "image", shape [H, W, 3], uint8 frames). The bookkeeping columns in FRAME_FEATURES are added.
+    `save_episode` appends an episode to the current data file as one parquet row group, starting a new
+    file first if the file would pass `frames_per_file` (LeRobot's own limit is in MB; episodes never
+    straddle files), and `finalize` writes the metadata. Until then the directory has no meta/info.json,
+    so a crashed recording is never mistaken for a dataset. As a context manager it finalizes on exit.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        fps: float,
+        features: Mapping[str, Mapping[str, Any]],
+        robot_type: str | None = None,
+        *,
+        frames_per_file: int = 10_000,
+        chunks_size: int = 1000,
+    ) -> None:
+        self.root = Path(root)
+        if self.root.exists() and any(self.root.iterdir()):
+            raise FileExistsError(
+                f"{self.root} exists and is not empty; a dataset is written into a new directory"
+            )
+        if fps <= 0 or frames_per_file < 1 or chunks_size < 1:
+            raise ValueError(
+                f"fps={fps}, frames_per_file={frames_per_file}, chunks_size={chunks_size}: need > 0"
+            )
+        self.fps, self.robot_type = fps, robot_type
+        self.frames_per_file, self.chunks_size = frames_per_file, chunks_size
+        self.user_features = _check_writer_features(features)
+        self.features = {**self.user_features, **FRAME_FEATURES}
+        self._schema = pa.schema([(name, arrow_type(f)) for name, f in self.features.items()])
+        self._frames: list[dict[str, Any]] = []
+        self._episodes: list[dict[str, Any]] = []
+        self._tasks: dict[str, int] = {}
+        self._moments = {name: _Moments() for name in self.features}
+        self._parquet: pq.ParquetWriter | None = None
+        self._chunk = self._file = self._file_frames = self._total_frames = 0
+        self._finalized = False
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None and not self._finalized:
+            self.finalize()
+        elif self._parquet is not None:  # leave the partial data, without metadata, for inspection
+            self._parquet.close()
+            self._parquet = None
+
+    def add_frame(
+        self, frame: Mapping[str, Any], *, is_intervention: bool = False, policy_executed: bool = False
+    ) -> None:
+        """Buffer one frame: the observation features and the action taken from it (values are copied)."""
+        self._check_open()
+        missing = sorted(set(self.user_features) - set(frame))
+        extra = sorted(set(frame) - set(self.user_features))
+        if missing or extra:
+            raise ValueError(
+                f"frame {len(self._frames)}: missing features {missing}, unexpected {extra}; "
+                f"this dataset's features are {sorted(self.user_features)}"
+            )
+        row: dict[str, Any] = {
+            "is_intervention": bool(is_intervention),
+            "policy_executed": bool(policy_executed),
+        }
+        for name, feature in self.user_features.items():
+            value, shape = np.asarray(frame[name]), tuple(feature["shape"])
+            if feature["dtype"] == "image":
+                if value.dtype != np.uint8 or value.shape != shape:
+                    raise ValueError(
+                        f"feature {name!r}: got {value.dtype} {value.shape}, expected uint8 {shape}"
+                    )
+                row[name] = value.copy()
+            elif value.size != shape[0] or not np.can_cast(value.dtype, feature["dtype"], "same_kind"):
+                raise ValueError(
+                    f"feature {name!r}: got {value.dtype} {value.shape}, expected {_describe(feature)}"
+                )
+            else:
+                row[name] = value.astype(feature["dtype"]).reshape(shape)
+        self._frames.append(row)
+
+    def save_episode(self, task: str, success: bool, source: str | None = None) -> int:
+        """Write the buffered frames as one episode and return its index.
+
+        `task` is the instruction; `source` defaults to "policy" if a policy acted in any frame,
+        "expert" if the expert acted in all of them, else "other".
+        """
+        self._check_open()
+        if not self._frames:
+            raise ValueError("save_episode: no frames were added since the last episode")
+        if not isinstance(task, str) or not task:
+            raise ValueError(f"save_episode: task must be a non-empty instruction string, got {task!r}")
+        length = len(self._frames)
+        if self._file_frames and self._file_frames + length > self.frames_per_file:
+            self._next_file()
+        episode, start = len(self._episodes), self._total_frames
+        steps = np.arange(length, dtype=np.int64)
+        columns = {name: np.stack([f[name] for f in self._frames]) for name in self.user_features}
+        columns |= {
+            "timestamp": (steps / self.fps).astype(np.float32),
+            "frame_index": steps,
+            "episode_index": np.full(length, episode, np.int64),
+            "index": start + steps,
+            "task_index": np.full(length, self._tasks.setdefault(task, len(self._tasks)), np.int64),
+            "next.done": steps == length - 1,
+            "is_intervention": np.array([f["is_intervention"] for f in self._frames]),
+            "policy_executed": np.array([f["policy_executed"] for f in self._frames]),
+        }
+        arrays = [self._to_arrow(name, columns[name], episode) for name in self.features]
+        if self._parquet is None:
+            path = self.root / DATA_PATH.format(chunk_index=self._chunk, file_index=self._file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._parquet = pq.ParquetWriter(path, self._schema)
+        self._parquet.write_table(pa.Table.from_arrays(arrays, schema=self._schema))
+        for name, values in columns.items():
+            self._moments[name].update(values, image=self.features[name]["dtype"] == "image")
+
+        intervention, executed = columns["is_intervention"], columns["policy_executed"]
+        if source is None:
+            source = "policy" if executed.any() else "expert" if intervention.all() else "other"
+        self._episodes.append(
+            {
+                "episode_index": episode,
+                "tasks": [task],
+                "length": length,
+                "dataset_from_index": start,
+                "dataset_to_index": start + length,
+                "data/chunk_index": self._chunk,
+                "data/file_index": self._file,
+                "meta/episodes/chunk_index": 0,
+                "meta/episodes/file_index": 0,
+                "success": bool(success),
+                "num_interventions": int(np.sum(intervention[1:] & executed[:-1])),
+                "intervention_frames": int(intervention.sum()),
+                "source": source,
+            }
+        )
+        self._file_frames += length
+        self._total_frames += length
+        self._frames = []
+        return episode
+
+    def finalize(self) -> Path:
+        """Close the data file and write episodes, tasks, stats and (last) info.json."""
+        self._check_open()
+        if self._frames:
+            raise RuntimeError(
+                f"{len(self._frames)} frames were added after the last save_episode; save them first"
+            )
+        if not self._episodes:
+            raise ValueError("no episodes were saved; LeRobot datasets cannot be empty")
+        assert self._parquet is not None
+        self._parquet.close()
+        self._parquet = None
+        episodes_path = self.root / EPISODES_PATH.format(chunk_index=0, file_index=0)
+        episodes_path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(self._episodes, schema=EPISODE_SCHEMA), episodes_path)
+        _write_tasks(self.root / TASKS_PATH, list(self._tasks))
+        stats = {name: m.result(self.features[name]["dtype"] == "image") for name, m in self._moments.items()}
+        _write_json(stats, self.root / STATS_PATH)
+        info = {
+            "codebase_version": CODEBASE_VERSION,
+            "robot_type": self.robot_type,
+            "total_episodes": len(self._episodes),
+            "total_frames": self._total_frames,
+            "total_tasks": len(self._tasks),
+            "chunks_size": self.chunks_size,
+            "data_files_size_in_mb": 100,  # LeRobot's defaults, used if LeRobot appends to this dataset
+            "video_files_size_in_mb": 500,
+            "fps": self.fps,
+            "splits": {"train": f"0:{len(self._episodes)}"},
+            "data_path": DATA_PATH,
+            "video_path": None,
+            "features": self.features,
+        }
+        _write_json(info, self.root / INFO_PATH)
+        self._finalized = True
+        return self.root
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise RuntimeError(f"the dataset at {self.root} is finalized; open a new DatasetWriter")
+
+    def _next_file(self) -> None:
+        assert self._parquet is not None
+        self._parquet.close()
+        self._parquet = None
+        self._file, self._file_frames = self._file + 1, 0
+        if self._file == self.chunks_size:
+            self._chunk, self._file = self._chunk + 1, 0
+
+    def _to_arrow(self, name: str, values: np.ndarray, episode: int) -> pa.Array:
+        feature = self.features[name]
+        if feature["dtype"] == "image":
+            paths = [
+                IMAGE_PATH.format(image_key=name, episode_index=episode, frame_index=t)
+                for t in range(len(values))
+            ]
+            data = pa.array([_png(v) for v in values], pa.binary())
+            return pa.StructArray.from_arrays([data, pa.array(paths, pa.string())], fields=list(IMAGE_STRUCT))
+        flat = pa.array(values.reshape(-1), NUMERIC[feature["dtype"]])
+        return (
+            flat if feature["shape"] == [1] else pa.FixedSizeListArray.from_arrays(flat, feature["shape"][0])
+        )
+
+
+def _load_info(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise FileNotFoundError(f"dataset directory {root} does not exist")
+    path = root / INFO_PATH
+    if not path.is_file():
+        raise ValueError(
+            f"{root} is not a LeRobot dataset: it has no {INFO_PATH} (DatasetWriter writes it in finalize())"
+        )
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if info.get("codebase_version") != CODEBASE_VERSION:
+        raise ValueError(
+            f"{path}: codebase_version is {info.get('codebase_version')!r}; this reader reads LeRobot "
+            f"{CODEBASE_VERSION!r} datasets (LeRobot's convert_dataset_v21_to_v30 converts older ones)"
+        )
+    missing = [k for k in ("fps", "features", "data_path", "total_episodes", "total_frames") if k not in info]
+    if missing:
+        raise ValueError(f"{path} lacks the fields {missing}")
+    absent = [name for name in LEROBOT_FRAME_FEATURES if name not in info["features"]]
+    if absent:
+        raise ValueError(f"{path}: the features {absent} that every LeRobot dataset has are not declared")
+    for name, feature in info["features"].items():
+        if not isinstance(feature, dict) or "dtype" not in feature or "shape" not in feature:
+            raise ValueError(f"{path}: feature {name!r} needs a 'dtype' and a 'shape', got {feature!r}")
+        if feature["dtype"] == "video":
+            raise ValueError(
+                f"{path}: feature {name!r} is stored as MP4 video, which this reader cannot decode (no PyAV "
+                "here); record with image features (dtype 'image') instead"
+            )
+        if feature["dtype"] != "image" and (feature["dtype"] not in NUMERIC or len(feature["shape"]) != 1):
+            raise ValueError(
+                f"{path}: feature {name!r} has {_describe(feature)}; supported are 1-D {list(NUMERIC)} "
+                "vectors and images"
+            )
+    return info
+
+
+def _load_tasks(root: Path) -> list[str]:
+    path = root / TASKS_PATH
+    if not path.is_file():
+        raise FileNotFoundError(f"task file {path} is missing (it maps task_index to the instruction)")
+    table = pq.read_table(path)
+    text = next((c for c in ("task", "__index_level_0__") if c in table.column_names), None)
+    if text is None or "task_index" not in table.column_names:
+        raise ValueError(
+            f"{path}: expected columns 'task_index' and 'task' (or a pandas index), got {table.column_names}"
+        )
+    tasks = dict(zip(table["task_index"].to_pylist(), table[text].to_pylist(), strict=True))
+    if sorted(tasks) != list(range(len(tasks))):
+        raise ValueError(f"{path}: task_index values {sorted(tasks)} are not 0..{len(tasks) - 1}")
+    return [tasks[i] for i in range(len(tasks))]
+
+
+def _load_episodes(root: Path, info: Mapping[str, Any]) -> list[dict[str, Any]]:
+    paths = sorted(root.glob("meta/episodes/chunk-*/file-*.parquet"))
+    if not paths:
+        raise FileNotFoundError(
+            f"no episode metadata: {root / EPISODES_PATH.format(chunk_index=0, file_index=0)} is missing"
+        )
+    episodes: list[dict[str, Any]] = []
+    for path in paths:
+        table = pq.read_table(path)
+        missing = [
+            c
+            for c in (*EPISODE_REQUIRED, "data/chunk_index", "data/file_index")
+            if c not in table.column_names
+        ]
+        if missing:
+            raise ValueError(f"{path}: episode columns {missing} are missing")
+        table = table.select([c for c in table.column_names if not c.startswith("stats/")])
+        episodes += table.to_pylist()
+    episodes.sort(key=lambda e: e["episode_index"])
+    if [e["episode_index"] for e in episodes] != list(range(len(episodes))) or len(episodes) != info[
+        "total_episodes"
+    ]:
+        raise ValueError(
+            f"{root}: episode metadata holds episodes {[e['episode_index'] for e in episodes][:10]}..., "
+            f"expected 0..{info['total_episodes'] - 1} (total_episodes in {INFO_PATH})"
+        )
+    return episodes
+
+
+def _type_problem(feature: Mapping[str, Any], actual: pa.DataType) -> str | None:
+    """Why a parquet column's type cannot hold a feature, or None if it can."""
+    if feature["dtype"] == "image":
+        if pa.types.is_struct(actual) and actual.get_field_index("bytes") >= 0:
+            return None
+        return f"has type {actual}; an image feature is a struct of PNG 'bytes' and a 'path'"
+    expected, shape = NUMERIC[feature["dtype"]], list(feature["shape"])
+    if pa.types.is_list(actual) or pa.types.is_large_list(actual) or pa.types.is_fixed_size_list(actual):
+        if actual.value_type != expected:
+            return f"holds {actual.value_type} values, but {INFO_PATH} declares {_describe(feature)}"
+        if pa.types.is_fixed_size_list(actual) and actual.list_size != shape[0]:
+            return (
+                f"holds vectors of length {actual.list_size}, but {INFO_PATH} declares {_describe(feature)}"
+            )
+        return None
+    if actual != expected:
+        return f"has type {actual}, but {INFO_PATH} declares {_describe(feature)}"
+    if shape != [1]:
+        return f"holds scalars, but {INFO_PATH} declares {_describe(feature)}"
+    return None
+
+
+def _column_values(path: Path, name: str, feature: Mapping[str, Any], column: pa.ChunkedArray) -> Any:
+    """A column as (rows, n) / (rows,) numbers, or a list of PNG bytes for images."""
+    if column.null_count:
+        raise ValueError(f"{path}: column {name!r} has {column.null_count} missing values")
+    array = column.combine_chunks()
+    shape = list(feature["shape"])
+    if feature["dtype"] == "image":
+        images = array.field("bytes")
+        if images.null_count:
+            raise ValueError(f"{path}: column {name!r} has images without embedded PNG bytes")
+        first = _decode_png(images[0].as_py()) if len(images) else None
+        if first is not None and list(first.shape) != shape:
+            raise ValueError(
+                f"{path}: images in {name!r} are {list(first.shape)}, {INFO_PATH} declares {shape}"
+            )
+        return images.to_pylist()
+    if isinstance(array, pa.ListArray | pa.LargeListArray | pa.FixedSizeListArray):
+        lengths = set(pc.list_value_length(array).to_pylist())
+        if lengths - {shape[0]}:
+            raise ValueError(
+                f"{path}: column {name!r} has rows of length {sorted(lengths)}, {INFO_PATH} declares {shape}"
+            )
+        values = array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), shape[0])
+        return values.reshape(-1) if shape == [1] else values
+    return array.to_numpy(zero_copy_only=False)
+
+
+class RobotDataset(torch.utils.data.Dataset):
+    """A LeRobot v3.0 dataset held in memory: numbers as arrays, images as PNG bytes decoded on access.
+
+    Item i holds every feature as a tensor (vectors (n,), scalars 0-d, images uint8 (C, H, W) left
+    unscaled so batches stay 4x smaller until the policy converts them on its device), "task" (the
+    instruction) and, for datasets written here, "episode_success". With `action_horizon` it also holds
+    "action_chunk" and "action_chunk_mask" (see `chunk`). Malformed datasets fail on opening with the
+    file, feature and expectation named.
+    """
+
+    def __init__(self, root: str | Path, action_horizon: int | None = None) -> None:
+        self.root = Path(root)
+        self.info = _load_info(self.root)
+        self.features: dict[str, dict[str, Any]] = self.info["features"]
+        self.fps = self.info["fps"]
+        self.tasks = _load_tasks(self.root)
+        self.episodes = _load_episodes(self.root, self.info)
+        self._columns = self._load_frames()
+        stats_path = self.root / STATS_PATH
+        if not stats_path.is_file():
+            raise FileNotFoundError(f"statistics file {stats_path} is missing (policies normalise with it)")
+        self.stats = {
+            k: {s: np.asarray(v) for s, v in d.items()} for k, d in json.loads(stats_path.read_text()).items()
+        }
+        self.action_horizon = action_horizon
+        self._episode_end = np.repeat(
+            [e["dataset_to_index"] for e in self.episodes], [e["length"] for e in self.episodes]
+        )
+
+    def _load_frames(self) -> dict[str, Any]:
+        files: dict[tuple[int, int], list[int]] = {}
+        for e in self.episodes:
+            files.setdefault((e["data/chunk_index"], e["data/file_index"]), []).append(e["episode_index"])
+        parts: dict[str, list] = {name: [] for name in self.features}
+        for (chunk, file), episodes in sorted(files.items()):
+            path = self.root / self.info["data_path"].format(chunk_index=chunk, file_index=file)
+            if not path.is_file():
+                raise FileNotFoundError(f"data file {path} is missing (episodes {episodes} are stored in it)")
+            schema = pq.read_schema(path)
+            for name, feature in self.features.items():
+                if name not in schema.names:
+                    raise ValueError(
+                        f"{path}: feature {name!r} ({_describe(feature)}) is declared in {INFO_PATH} but the "
+                        f"file has no such column; its columns are {schema.names}"
+                    )
+                problem = _type_problem(feature, schema.field(name).type)
+                if problem:
+                    raise ValueError(f"{path}: column {name!r} {problem}")
+            table = pq.read_table(path, columns=list(self.features))
+            for name, feature in self.features.items():
+                parts[name].append(_column_values(path, name, feature, table[name]))
+        columns = {
+            name: sum(chunks, []) if self.features[name]["dtype"] == "image" else np.concatenate(chunks)
+            for name, chunks in parts.items()
+        }
+        total = len(columns["index"])
+        expected = np.repeat(np.arange(len(self.episodes)), [e["length"] for e in self.episodes])
+        if total != self.info["total_frames"] or not np.array_equal(columns["index"], np.arange(total)):
+            raise ValueError(
+                f"{self.root}: data files hold {total} frames, {INFO_PATH} says {self.info['total_frames']}"
+            )
+        if not np.array_equal(columns["episode_index"], expected):
+            raise ValueError(
+                f"{self.root}: frames' episode_index does not match the episode metadata's frame ranges"
+            )
+        return columns
+
+    def __len__(self) -> int:
+        return len(self._columns["index"])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        i = range(len(self))[i]
+        item: dict[str, Any] = {name: self._value(name, i) for name in self.features}
+        item["task"] = self.tasks[int(item["task_index"])]
+        episode = self.episodes[int(item["episode_index"])]
+        if "success" in episode:
+            item["episode_success"] = torch.tensor(bool(episode["success"]))
+        if self.action_horizon:
+            item["action_chunk"], item["action_chunk_mask"] = self.chunk(i, self.action_horizon)
+        return item
+
+    def _value(self, name: str, i: int) -> torch.Tensor:
+        if self.features[name]["dtype"] == "image":
+            return torch.from_numpy(_decode_png(self._columns[name][i])).permute(2, 0, 1).contiguous()
+        return torch.tensor(self._columns[name][i])
+
+    def episode(self, index: int) -> dict[str, Any]:
+        """All frames of one episode, stacked (images (T, C, H, W) uint8), and its "task"."""
+        meta = self.episodes[index]
+        frames = range(meta["dataset_from_index"], meta["dataset_to_index"])
+        out: dict[str, Any] = {}
+        for name, feature in self.features.items():
+            if feature["dtype"] == "image":
+                out[name] = torch.stack([self._value(name, i) for i in frames])
+            else:
+                out[name] = torch.tensor(self._columns[name][frames.start : frames.stop])
+        out["task"] = self.tasks[int(out["task_index"][0])]
+        return out
+
+    def chunk(self, i: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Actions i .. i+horizon-1 of frame i's episode, padded past its end with the episode's last action,
+        and a mask that is False on the padding (policies predict action chunks; the loss skips padding)."""
+        if ACTION_KEY not in self.features:
+            raise ValueError(
+                f"{self.root} has no {ACTION_KEY!r} feature; its features are {sorted(self.features)}"
+            )
+        i = range(len(self))[i]
+        end = int(self._episode_end[i])
+        steps = np.arange(i, i + horizon)
+        return torch.tensor(self._columns[ACTION_KEY][np.minimum(steps, end - 1)]), torch.from_numpy(
+            steps < end
+        )
+
+    def check_features(self, required: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise ValueError naming every feature a policy needs that is missing or shaped differently
+        (shapes as info.json has them: images are (H, W, C))."""
+        problems = []
+        for name, shape in required.items():
+            feature = self.features.get(name)
+            if feature is None:
+                problems.append(f"{name!r} is missing (the policy needs shape {list(shape)})")
+            elif list(feature["shape"]) != list(shape):
+                problems.append(
+                    f"{name!r} has shape {list(feature['shape'])}, the policy needs {list(shape)}"
+                )
+        if problems:
+            raise ValueError(
+                f"dataset {self.root} does not fit the policy: {'; '.join(problems)}. "
+                f"The dataset's features are {sorted(self.features)}"
+            )
+
+
+def env_features(env: Any) -> dict[str, dict[str, Any]]:
+    """Dataset features for a sim env's "state" (and "image") observations and its actions."""
+    spaces = env.observation_space.spaces
+    if "state" not in spaces:
+        raise ValueError(
+            f"recording needs a 'state' observation (obs_mode 'state' or 'state+rgb'), got {list(spaces)}"
+        )
+    layout = getattr(env.unwrapped, "state_layout", None)
+    names = [f"{part}.{i}" for part, s in layout.items() for i in range(s.stop - s.start)] if layout else None
+    features = {
+        STATE_KEY: {"dtype": "float32", "shape": [spaces["state"].shape[0]], "names": names},
+        ACTION_KEY: {"dtype": "float32", "shape": list(env.action_space.shape), "names": None},
+    }
+    if "image" in spaces:
+        features[IMAGE_KEY] = {"dtype": "image", "shape": list(spaces["image"].shape), "names": None}
+    return features
+
+
+def record_episodes(
+    env: Any,
+    actor: Callable[[dict[str, np.ndarray], str], np.ndarray] | None,
+    n: int,
+    seed: int,
+    root: str | Path,
+    *,
+    obs_mode: str = "state",
+    image_size: int = 96,
+    robot_type: str = "mmrl_gantry_arm",
+    frames_per_file: int = 10_000,
+) -> RobotDataset:
+    """Roll out `actor` for `n` episodes (reset seeds seed, seed+1, ...) and write them as a dataset:
+    the demonstrations behaviour cloning starts from.
+
+    `env` is a sim task name ("PickPlace", made with `obs_mode` and `image_size`) or an env (used as it
+    is and not closed). `actor` None means the task's scripted expert, which acts on the privileged
+    state; its frames are marked is_intervention. Any other actor is a policy called as
+    actor(obs, instruction) -> action, and its frames are marked policy_executed.
+    """
+    import sim  # the robot extra: only recording needs it
+    from sim.experts import Expert, expert_for
+
+    own_env = isinstance(env, str)
+    if own_env:
+        env = sim.make(env, obs_mode=obs_mode, image_size=image_size)
+    try:
+        actor = actor if actor is not None else expert_for(env)
+        expert = actor if isinstance(actor, Expert) else None
+        features = env_features(env)
+        if not env.metadata.get("render_fps"):
+            raise ValueError("the env's metadata has no 'render_fps': a dataset needs the control rate (fps)")
+        with DatasetWriter(
+            root, env.metadata["render_fps"], features, robot_type, frames_per_file=frames_per_file
+        ) as writer:
+            for k in tqdm(range(n), desc=f"recording {Path(root).name}", disable=None):
+                obs, info = env.reset(seed=seed + k)
+                done = False
+                while not done:
+                    action = expert.act(env) if expert is not None else actor(obs, info["instruction"])
+                    frame = {STATE_KEY: obs["state"], ACTION_KEY: action}
+                    if IMAGE_KEY in features:
+                        frame[IMAGE_KEY] = obs["image"]
+                    writer.add_frame(
+                        frame, is_intervention=expert is not None, policy_executed=expert is None
+                    )
+                    obs, _, terminated, truncated, info = env.step(action)
+                    done = terminated or truncated
+                writer.save_episode(info["instruction"], success=bool(info["is_success"]))
+    finally:
+        if own_env:
+            env.close()
+    return RobotDataset(root)
