@@ -110,7 +110,8 @@ def test_weights_are_exp_beta_a_clipped_at_w_max():
 
 def toy_buffer():
     """Episode 0: policy 4 steps, expert 3, policy 2, success. Episode 1: policy 3 steps, time limit
-    without success. Episode 2: policy 2 steps, success on its own."""
+    without success. Episode 2: policy 2 steps, success on its own. The policy executes 3 actions of
+    each sampled chunk (fewer when the expert takes over or the episode ends)."""
     buffer, lengths = ReplayBuffer(100), {}
     for flags, success in (([0] * 4 + [1] * 3 + [0] * 2, True), ([0] * 3, False), ([0] * 2, True)):
         steps = len(flags)
@@ -118,7 +119,10 @@ def toy_buffer():
             STATE_KEY: np.arange((steps + 1) * 3, dtype=np.float32).reshape(steps + 1, 3),
             IMAGE_KEY: np.zeros((steps + 1, 4, 4, 3), np.uint8),
         }
-        episode = buffer.add_episode(obs, np.zeros((steps, 5)), success, "reach", np.array(flags, bool))
+        chunk_step = {9: [0, 1, 2, 0, -1, -1, -1, 0, 1], 3: [0, 1, 2], 2: [0, 1]}[steps]
+        episode = buffer.add_episode(
+            obs, np.zeros((steps, 5)), success, "reach", np.array(flags, bool), chunk_step=chunk_step
+        )
         lengths[episode] = steps
     return buffer, lengths
 
@@ -140,10 +144,20 @@ def test_intervention_aware_credit_reaches_only_policy_segments():
     torch.testing.assert_close(targets, torch.tensor([0, 0, 0, 0, 0.9, 1, 0, 0, 0, 0.9, 1]))
     r_e, done_e = efficiency_rewards(tr, gamma_e=0.5)
     assert done_e.tolist() == [0] * 5 + [1] + [0] * 4 + [1] + [0] * 3 and (r_e == -0.5).all()
-    # action chunks stay inside their segment
-    chunk, mask = tr.chunk_rows(torch.tensor([2, 4, 11]), horizon=4)
-    assert chunk.tolist() == [[2, 3, 3, 3], [4, 5, 5, 5], [11, 12, 13, 13]]
-    assert mask.sum(1).tolist() == [2, 2, 3]
+    # action chunks stay inside their segment; from a policy step they hold only the actions executed
+    # from the chunk sampled there, and only steps where a chunk was sampled (or the expert acted) train
+    assert tr.chunk_step.tolist() == [0, 1, 2, 0, 0, 1, 0, 1, 2, 0, 1, -1, -1, -1]
+    assert tr.actor_rows.tolist() == [0, 3, 4, 6, 9, 11, 12, 13]
+    chunk, mask = tr.chunk_rows(torch.tensor([0, 2, 4, 11]), horizon=4)
+    assert chunk.tolist() == [[0, 1, 2, 3], [2, 3, 3, 3], [4, 5, 5, 5], [11, 12, 13, 13]]
+    assert mask.tolist() == [
+        [True, True, True, False],  # step 3 starts a new chunk
+        [True, False, False, False],
+        [True, True, False, False],  # the segment ends
+        [True, True, True, False],
+    ]
+    _, relabelled = tr.chunk_rows(torch.tensor([0, 2, 4, 11]), horizon=4, executed=False)
+    assert relabelled.sum(1).tolist() == [4, 2, 2, 3]
 
 
 def test_supervisor_takes_over_when_the_policy_strays_and_hands_back():
@@ -198,6 +212,12 @@ def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path, tiny_policy_dir):
     trainer = VLAHABCTrainer(config)
     trainer.setup()
     episodes = trainer.collect(0)
+    for episode in episodes:  # every policy step is placed in the chunk it was executed from
+        expected = np.full(episode.length, -1)
+        for start, executed in episode.decisions:
+            expected[start : start + executed] = np.arange(executed)
+        assert episode.chunk_step.tolist() == expected.tolist()
+        assert ((expected == -1) == episode.is_intervention).all()
     for i, episode in enumerate(episodes):  # one success per group of two
         episode.success = i % 2 == 0
     before = [p.detach().clone() for p in trainer.policy.parameters()]

@@ -30,6 +30,7 @@ from safetensors.numpy import load_file, save_file
 from vla_rl.dataset import ACTION_KEY, DatasetWriter
 
 KINDS = ("policy", "intervention", "failure")
+FIELDS = ("action", "reward", "is_intervention", "chunk_step")  # per-step arrays of a Segment, saved as such
 
 
 @dataclass
@@ -45,6 +46,9 @@ class Segment:
     action: np.ndarray  # (length, action_dim)
     reward: np.ndarray  # (length,) float32
     is_intervention: np.ndarray  # (length,) bool
+    # (length,) int64: the step's index in the action chunk it was executed from (0 where the policy
+    # sampled the chunk); -1 for expert steps, whose actions are a function of their own state
+    chunk_step: np.ndarray
 
     @property
     def length(self) -> int:
@@ -62,6 +66,7 @@ class Segment:
             self.action[lo:hi],
             self.reward[lo:hi],
             self.is_intervention[lo:hi],
+            self.chunk_step[lo:hi],
         )
 
 
@@ -109,13 +114,16 @@ class ReplayBuffer:
         is_intervention: np.ndarray | None = None,
         reward: np.ndarray | None = None,
         terminated: bool | None = None,
+        chunk_step: np.ndarray | None = None,
     ) -> int:
         """Store an episode of T steps and return its id.
 
         `obs` holds T + 1 observations per key (the last one after the final action), named like the
         dataset features ("observation.state", "observation.image" as uint8 (H, W, C)); `action` is (T, A).
         `reward` defaults to 0 per step and `success` at the last one; `terminated` (whether the last
-        step ended the episode rather than a time limit) defaults to `success`.
+        step ended the episode rather than a time limit) defaults to `success`. `chunk_step` (T,) is each
+        policy step's index in the action chunk it came from (0 where the chunk was sampled; -1 on expert
+        steps); it defaults to 0 on every policy step (a policy that decides every step).
         """
         action = np.array(action, dtype=np.float32)  # copies: the caller may reuse its arrays
         steps = len(action)
@@ -129,13 +137,25 @@ class ReplayBuffer:
         if reward is None:
             reward = np.zeros(steps, np.float32)
             reward[-1] = float(success)
-        if flags.shape != (steps,) or np.shape(reward) != (steps,):
-            raise ValueError(f"is_intervention and reward need one value per step ({steps})")
+        if chunk_step is None:
+            chunk_step = np.where(flags, -1, 0)
+        chunk_step = np.array(chunk_step, np.int64)
+        if flags.shape != (steps,) or np.shape(reward) != (steps,) or chunk_step.shape != (steps,):
+            raise ValueError(f"is_intervention, reward and chunk_step need one value per step ({steps})")
         terminated = bool(success) if terminated is None else bool(terminated)
         episode = self.next_episode
         self.next_episode += 1
         whole = Segment(
-            episode, 0, task, bool(success), terminated, obs, action, np.array(reward, np.float32), flags
+            episode,
+            0,
+            task,
+            bool(success),
+            terminated,
+            obs,
+            action,
+            np.array(reward, np.float32),
+            flags,
+            chunk_step,
         )
         for lo, hi in _runs(flags):
             self._push(
@@ -207,7 +227,7 @@ class ReplayBuffer:
             obs_keys = list(store[0].obs)
             for key in obs_keys:
                 tensors[f"{kind}/obs/{key}"] = np.concatenate([s.obs[key] for s in store])
-            for field in ("action", "reward", "is_intervention"):
+            for field in FIELDS:
                 tensors[f"{kind}/{field}"] = np.concatenate([getattr(s, field) for s in store])
             meta["kinds"][kind] = {
                 "obs_keys": obs_keys,
@@ -246,10 +266,7 @@ class ReplayBuffer:
                 obs = {
                     k: tensors[f"{kind}/obs/{k}"][obs_at : obs_at + n + 1].copy() for k in saved["obs_keys"]
                 }
-                rest = [
-                    tensors[f"{kind}/{f}"][act_at : act_at + n].copy()
-                    for f in ("action", "reward", "is_intervention")
-                ]
+                rest = [tensors[f"{kind}/{f}"][act_at : act_at + n].copy() for f in FIELDS]
                 buffer._push(
                     kind, Segment(s["episode"], s["start"], s["task"], s["outcome"], s["done"], obs, *rest)
                 )

@@ -29,8 +29,12 @@ strays; store every step with its kind (policy / intervention) in the `ReplayBuf
   (`grpo` estimator), PPO-clip on the log-probs of the actions the policy executed from each sampled
   chunk, on this iteration's rollouts only (the recipe turns interventions off).
 
-The actor loss is over action chunks: the row of step t regresses steps t .. t+horizon-1 of its own
-segment (masked past the segment's end), each position with the weight of its own step.
+The actor loss is over action chunks. An expert step t regresses steps t .. t+horizon-1 of its own
+segment (masked past the segment's end); a policy step is trained only where the policy sampled a
+chunk, on the actions it executed from that chunk (a step inside a chunk was decided at an earlier
+state). Each position carries the weight of its own step. Exploration samples from the policy with its
+std times `rollout.std_scale`: the BC base's std (near 1 on the gripper, whose demonstrated commands
+sit at the bounds) makes full-width samples fail where the mean succeeds.
 Critic targets are TD(lambda) returns within a segment (`critic.lam`; 1 = the binary outcome itself,
 the default, which needs no target network); advantages are always one-step. Metrics every iteration:
 rollout success, take-overs per episode, env steps and episodes so far, critic losses, gate mean and
@@ -95,6 +99,9 @@ class HABCRolloutConfig:
         100_000, "first training reset seed; every iteration uses its own block of seeds", min=0
     )
     max_episode_steps: int = option(0, "time limit of training episodes (0: the task's own)", min=0)
+    std_scale: float = option(
+        0.3, "exploration: sample chunks with the policy's std times this (grpo's log-probs too)", min=1e-6
+    )
 
 
 @dataclass
@@ -102,7 +109,7 @@ class HABCInterventionConfig:
     enabled: bool = option(True, "let the scripted expert take over when the policy strays")
     window: int = option(8, "policy steps over which the disagreement with the expert is averaged", min=1)
     threshold: float = option(
-        0.6, "mean RMS gap to the expert's action over the window that counts as straying", min=0.0
+        1.0, "mean RMS gap to the expert's action over the window that counts as straying", min=0.0
     )
     takeover_steps: int = option(12, "steps the expert drives before handing control back", min=1)
     deadline: int = option(
@@ -471,7 +478,9 @@ class VLAHABCTrainer(Trainer):
         steps, wave = 0, 0
         while steps < r.env_steps:
             groups = [first_group + wave * groups_per_wave + j // r.group_size for j in range(r.num_envs)]
-            batch = run_episodes(self.policy, self.envs, self.expert, groups, groups, supervisor, generator)
+            batch = run_episodes(
+                self.policy, self.envs, self.expert, groups, groups, supervisor, generator, r.std_scale
+            )
             episodes += batch
             steps += sum(e.length for e in batch)
             wave += 1
@@ -518,7 +527,7 @@ class VLAHABCTrainer(Trainer):
             metrics.update(self.train_critics(tr, generator, outcome_only=True))
             weights, rows, stats = self.awr_weights(tr)
         elif cfg.method == "bc":
-            rows = torch.nonzero(tr.intervention | tr.success).flatten()
+            rows = tr.actor_rows[(tr.intervention | tr.success)[tr.actor_rows]]
             weights, stats = torch.ones(len(tr)), {}
         else:  # dagger: every visited state, relabelled by the expert
             rows, weights, stats = torch.arange(len(tr)), torch.ones(len(tr)), {}
@@ -614,7 +623,7 @@ class VLAHABCTrainer(Trainer):
                 "adv_std": float(out["advantage"][policy].std(unbiased=False)),
                 **self.weight_stats(w),
             }
-        return weights, torch.arange(len(tr)), stats
+        return weights, tr.actor_rows, stats
 
     def awr_weights(self, tr: Transitions) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Monte-Carlo advantages G - V(s) over every step; the same clipped exponential weights."""
@@ -627,7 +636,7 @@ class VLAHABCTrainer(Trainer):
             "viability_mean": float(value.mean()),
             "adv_std": float((returns - value).std(unbiased=False)),
         }
-        return w, torch.arange(len(tr)), stats | self.weight_stats(w)
+        return w, tr.actor_rows, stats | self.weight_stats(w)
 
     def weight_stats(self, w: Tensor) -> dict[str, float]:
         """Mean, max and clipped share of the policy steps' actor weights."""
@@ -664,7 +673,7 @@ class VLAHABCTrainer(Trainer):
         skipped = 0
         for _ in range(cfg.updates if len(rows) else 0):
             pick = rows[torch.randint(len(rows), (cfg.batch_size,), generator=generator)]
-            chunk, mask = tr.chunk_rows(pick, horizon)
+            chunk, mask = tr.chunk_rows(pick, horizon, executed=not relabel)
             if relabel:
                 targets = torch.from_numpy(
                     self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
@@ -692,7 +701,7 @@ class VLAHABCTrainer(Trainer):
     def update_grpo(self, episodes: list[Episode], generator: torch.Generator) -> dict[str, Any]:
         """PPO-clip on the executed part of every chunk the policy sampled in this iteration's episodes,
         with the episode's group-normalised binary success as advantage (zero-advantage chunks dropped)."""
-        cfg, g = self.config.train, self.config.grpo
+        cfg, g, scale = self.config.train, self.config.grpo, self.config.rollout.std_scale
         horizon = self.policy.config.horizon
         rewards = torch.tensor([float(e.success) for e in episodes])
         adv = ADVANTAGES.get("grpo")(
@@ -724,7 +733,7 @@ class VLAHABCTrainer(Trainer):
         with torch.no_grad():  # the behaviour log-probs: the policy has not changed since the rollouts
             for start in range(0, len(chunks), cfg.batch_size):
                 inputs, actions, _, _ = batch_of(chunks[start : start + cfg.batch_size])
-                old_parts.append(self.policy(inputs).log_prob(actions).sum(-1))
+                old_parts.append(self.policy(inputs).scaled(scale).log_prob(actions).sum(-1))
         old = torch.cat(old_parts)
         results, metrics, skipped = [], [], 0
         order = torch.randperm(len(chunks), generator=generator)
@@ -736,7 +745,7 @@ class VLAHABCTrainer(Trainer):
             cursor += cfg.batch_size
             inputs, actions, mask, a = batch_of([chunks[i] for i in pick.tolist()])
             self.model.train()
-            logp = self.model(inputs).log_prob(actions).sum(-1)
+            logp = self.model(inputs).scaled(scale).log_prob(actions).sum(-1)
             out = LOSSES.get("ppo_clip")(logp, old[pick], a, mask, clip_low=g.clip_low, clip_high=g.clip_high)
             step = self.actor_step(out.loss)
             if step is None:

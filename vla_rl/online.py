@@ -14,6 +14,9 @@ the mean of that gap over the last `window` policy steps exceeds `threshold` (a 
 consecutive steps, because training actions are sampled and noisy), the policy has strayed from the
 expert's plan, and the expert drives for `takeover_steps` steps, then hands control back (the policy
 samples a fresh chunk).
+The default threshold (1.0, recipes in configs/vla/) was set from the 42% BC base sampling with the
+recipes' `std_scale`: it fires in every failing episode and in 15% of the successful ones (0.6 fired in
+85% of them, so the expert drove most episodes the policy would have finished alone).
 Independently, if the episode has not succeeded after `deadline` steps (0: never), the expert takes
 over once, for `takeover_steps` steps. At most `max_per_episode` take-overs happen per episode.
 """
@@ -45,6 +48,7 @@ class Episode:
     images: np.ndarray  # (T + 1, H, W, 3) uint8
     actions: np.ndarray  # (T, action_dim) float32
     is_intervention: np.ndarray  # (T,) bool
+    chunk_step: np.ndarray  # (T,) int64: index of each policy action in its sampled chunk; -1 on expert steps
     success: bool
     terminated: bool  # ended by termination (success or unstable sim) rather than the time limit
     interventions: int  # take-overs
@@ -120,15 +124,18 @@ def run_episodes(
     groups: Sequence[int],
     supervisor: Supervisor,
     generator: torch.Generator,
+    std_scale: float = 1.0,
 ) -> list[Episode]:
     """One episode per seed on envs[0..len(seeds)-1] in lockstep; the policy samples its chunks with
-    `generator`, so a seeded generator and seeded resets repeat the rollouts exactly."""
+    `generator` from its distribution with the std times `std_scale`, so a seeded generator and seeded
+    resets repeat the rollouts exactly."""
     n = len(seeds)
     horizon, n_exec = policy.config.horizon, policy.config.n_action_steps
     states: list[list[np.ndarray]] = [[] for _ in range(n)]
     images: list[list[np.ndarray]] = [[] for _ in range(n)]
     actions: list[list[np.ndarray]] = [[] for _ in range(n)]
     flags: list[list[bool]] = [[] for _ in range(n)]
+    chunk_steps: list[list[int]] = [[] for _ in range(n)]
     decisions: list[list[list[int]]] = [[] for _ in range(n)]
     instructions, outcome = [""] * n, [(False, False)] * n
     queue = np.zeros((n, horizon, policy.config.action_dim), np.float32)
@@ -151,9 +158,8 @@ def run_episodes(
                     "state": np.stack([states[j][-1] for j in need]),
                     "image": np.stack([images[j][-1] for j in need]),
                 }
-                chunk = policy(policy.prepare(obs, [instructions[j] for j in need])).sample(
-                    generator=generator
-                )
+                dist = policy(policy.prepare(obs, [instructions[j] for j in need])).scaled(std_scale)
+                chunk = dist.sample(generator=generator)
                 queue[need] = chunk.float().cpu().numpy()
                 for j in need:
                     cursor[j] = 0
@@ -163,8 +169,10 @@ def run_episodes(
                 by_expert = supervisor.expert_drives(j)
                 if by_expert:
                     action = expert_action.astype(np.float32)
+                    chunk_steps[j].append(-1)
                 else:
                     action = queue[j, cursor[j]].copy()
+                    chunk_steps[j].append(int(cursor[j]))
                     cursor[j] += 1
                     decisions[j][-1][1] += 1
                 obs, _, terminated, truncated, info = envs[j].step(action)
@@ -191,6 +199,7 @@ def run_episodes(
             images=np.stack(images[j]),
             actions=np.stack(actions[j]).astype(np.float32),
             is_intervention=np.array(flags[j], dtype=bool),
+            chunk_step=np.array(chunk_steps[j], dtype=np.int64),
             success=outcome[j][0],
             terminated=outcome[j][1],
             interventions=int(supervisor.count[j]),
@@ -209,6 +218,7 @@ def add_to_buffer(buffer: ReplayBuffer, episode: Episode) -> int:
         episode.instruction,
         is_intervention=episode.is_intervention,
         terminated=episode.terminated,
+        chunk_step=episode.chunk_step,
     )
 
 
@@ -225,6 +235,7 @@ class Transitions:
     next_state: Tensor  # (N, S) s_{t+1}
     action: Tensor  # (N, A)
     intervention: Tensor  # (N,) bool: the expert executed this step
+    chunk_step: Tensor  # (N,) a policy step's index in its sampled chunk (0: sampled here); -1: expert
     seg_left: Tensor  # (N,) steps left in the segment, this one included (1 at its last step)
     steps_left: Tensor  # (N,) steps left in the episode, this one included
     seg_ends_episode: Tensor  # (N,) bool: the segment's last step is the episode's last
@@ -268,6 +279,7 @@ class Transitions:
             next_state=torch.from_numpy(np.concatenate([s.obs[STATE_KEY][1:] for s in segments])).float(),
             action=torch.from_numpy(np.concatenate([s.action for s in segments])).float(),
             intervention=torch.from_numpy(np.concatenate([s.is_intervention for s in segments])),
+            chunk_step=torch.from_numpy(np.concatenate([s.chunk_step for s in segments])).long(),
             seg_left=cat["left"].long(),
             steps_left=cat["to_end"].long(),
             seg_ends_episode=cat["ends"].bool(),
@@ -275,12 +287,28 @@ class Transitions:
             terminated=cat["term"].bool(),
         )
 
-    def chunk_rows(self, rows: Tensor, horizon: int) -> tuple[Tensor, Tensor]:
+    @property
+    def actor_rows(self) -> Tensor:
+        """Rows an actor can learn from as chunk targets: every expert step (the expert's action is a
+        function of its own state, so steps t.. of a segment are what it does from s_t) and the policy
+        steps where a chunk was sampled. A policy step inside a chunk was decided at an earlier state,
+        so it is not a sample of the policy at its own state; training on it as if it were pulls the
+        policy toward stale open-loop actions (it cut a 42% policy to 9% in 80 updates)."""
+        return torch.nonzero(self.intervention | (self.chunk_step == 0)).flatten()
+
+    def chunk_rows(self, rows: Tensor, horizon: int, executed: bool = True) -> tuple[Tensor, Tensor]:
         """Rows of steps t .. t+horizon-1 of each row's segment (B, horizon), clamped inside the
-        segment, and the mask of the steps that exist (B, horizon)."""
+        segment, and the mask of the target steps (B, horizon): those that exist and, from a policy
+        step when `executed`, those executed from the same sampled chunk (pass False when the targets
+        are relabelled by the expert, a function of each step's own state)."""
         offsets = torch.arange(horizon)
         mask = offsets[None, :] < self.seg_left[rows, None]
         chunk = rows[:, None] + torch.minimum(offsets[None, :], self.seg_left[rows, None] - 1)
+        if not executed:
+            return chunk, mask
+        start = self.chunk_step[rows, None]
+        same_chunk = self.chunk_step[chunk] == start + offsets[None, :]
+        mask &= (start < 0) | same_chunk
         return chunk, mask
 
     def policy_inputs(self, policy: VLAPolicy, rows: Tensor) -> dict[str, Tensor]:

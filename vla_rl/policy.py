@@ -111,6 +111,10 @@ class ClippedGaussian:
         """The deterministic action: the clipped mean."""
         return self.mean.clamp(self.low, self.high)
 
+    def scaled(self, factor: float) -> ClippedGaussian:
+        """The same mean with the std times `factor`: a narrower distribution to explore with."""
+        return ClippedGaussian(self.mean, self.std * factor)
+
     def sample(self, noise: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
         """Clipped mean + std * noise; pass standard-normal `noise` (e.g. keyed noise) to replay a draw."""
         if noise is None:
