@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,11 +52,21 @@ class Episode:
     success: bool
     terminated: bool  # ended by termination (success or unstable sim) rather than the time limit
     interventions: int  # take-overs
-    decisions: list[list[int]] = field(default_factory=list)  # [start step, actions executed] per chunk
 
     @property
     def length(self) -> int:
         return len(self.actions)
+
+    @property
+    def decisions(self) -> list[tuple[int, int]]:
+        """(start step, actions executed) of every chunk the policy sampled, in order."""
+        chunks: list[tuple[int, int]] = []
+        for t, index in enumerate(self.chunk_step.tolist()):
+            if index == 0:
+                chunks.append((t, 1))
+            elif index > 0:
+                chunks[-1] = (chunks[-1][0], index + 1)
+        return chunks
 
 
 class Supervisor:
@@ -136,7 +146,6 @@ def run_episodes(
     actions: list[list[np.ndarray]] = [[] for _ in range(n)]
     flags: list[list[bool]] = [[] for _ in range(n)]
     chunk_steps: list[list[int]] = [[] for _ in range(n)]
-    decisions: list[list[list[int]]] = [[] for _ in range(n)]
     instructions, outcome = [""] * n, [(False, False)] * n
     queue = np.zeros((n, horizon, policy.config.action_dim), np.float32)
     cursor = np.full(n, n_exec, dtype=np.int64)  # n_exec: the next policy step samples a new chunk
@@ -163,7 +172,6 @@ def run_episodes(
                 queue[need] = chunk.float().cpu().numpy()
                 for j in need:
                     cursor[j] = 0
-                    decisions[j].append([len(actions[j]), 0])
             expert_actions = expert(np.stack([states[j][-1] for j in rows]))
             for j, expert_action in zip(rows, expert_actions, strict=True):
                 by_expert = supervisor.expert_drives(j)
@@ -174,7 +182,6 @@ def run_episodes(
                     action = queue[j, cursor[j]].copy()
                     chunk_steps[j].append(int(cursor[j]))
                     cursor[j] += 1
-                    decisions[j][-1][1] += 1
                 obs, _, terminated, truncated, info = envs[j].step(action)
                 states[j].append(obs["state"])
                 images[j].append(obs["image"])
@@ -203,7 +210,6 @@ def run_episodes(
             success=outcome[j][0],
             terminated=outcome[j][1],
             interventions=int(supervisor.count[j]),
-            decisions=decisions[j],
         )
         for j in range(n)
     ]
