@@ -21,10 +21,13 @@ from vla_rl.habc import (  # noqa: E402
     VLAHABCTrainer,
     advantage_weights,
     efficiency_rewards,
+    episodes_to,
     gate,
     habc_advantages,
     head_rows,
+    plot_success,
     segment_returns,
+    success_curve,
     viability_rewards,
 )
 from vla_rl.online import Supervisor, Transitions  # noqa: E402
@@ -160,6 +163,23 @@ def test_intervention_aware_credit_reaches_only_policy_segments():
     assert relabelled.sum(1).tolist() == [4, 2, 2, 3]
 
 
+def test_success_curve_and_episodes_to_80(tmp_path):
+    (tmp_path / "eval.json").write_text(
+        json.dumps({"before": {"success_rate": 0.4}, "after": {"success_rate": 0.9}})
+    )
+    rows = [
+        {"step": 1, "env_steps": 800, "episodes": 20},
+        {"step": 2, "env_steps": 1600, "episodes": 41, "eval_success_rate": 0.85},
+        {"step": 3, "env_steps": 2400, "episodes": 60},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    curve = success_curve(tmp_path, {"env_steps": 2400, "episodes": 60})
+    assert curve == [(0, 0, 0.4), (1600, 41, 0.85), (2400, 60, 0.9)]
+    assert episodes_to(curve, 0.8) == 41 and episodes_to(curve, 0.4) == 0 and episodes_to(curve, 0.95) is None
+    plot_success(curve, 100, "habc", tmp_path / "success.png")
+    assert (tmp_path / "success.png").stat().st_size > 1000
+
+
 def test_supervisor_takes_over_when_the_policy_strays_and_hands_back():
     sup = Supervisor(1, True, window=3, threshold=0.5, takeover_steps=2, deadline=0, max_per_episode=1)
     expert = np.zeros(5)
@@ -195,6 +215,11 @@ def test_each_baseline_runs_end_to_end(tmp_path, tiny_policy_dir, method):
     evaluation = json.loads((tmp_path / "eval.json").read_text())
     assert set(evaluation) == {"before", "after"} and evaluation["after"] == result
     assert VLAPolicy.from_pretrained(tmp_path / "policy").config.image_size == SIZE
+    assert (tmp_path / "success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    gifs = sorted(p.name for p in (tmp_path / "videos").iterdir())
+    assert len(gifs) == 2 and all(g.startswith("seed1000000") or g.startswith("seed1000001") for g in gifs)
+    summary = json.loads((tmp_path / "rollouts.json").read_text())
+    assert summary["episodes"] == rows[-1]["episodes"] and "episodes_to_80" in summary
 
 
 @needs_rendering

@@ -40,7 +40,9 @@ the default, which needs no target network); advantages are always one-step. Met
 rollout success, take-overs per episode, env steps and episodes so far, critic losses, gate mean and
 weight statistics; held-out success with the deterministic policy every `eval_every` iterations and
 in eval.json before and after; checkpoints hold the critics, their optimizer and the replay buffer
-too, so a resumed run continues exactly. The final policy is saved to OUTPUT_DIR/policy.
+too, so a resumed run continues exactly. At the end OUTPUT_DIR holds the policy (policy/), the rollout
+counters with the training episodes it took to first reach 80% held-out success (rollouts.json),
+held-out success against env steps (success.png) and GIFs of the final policy (videos/).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.trainer import Trainer
 from vla_rl.buffer import ReplayBuffer
-from vla_rl.evaluate import evaluate_policy
+from vla_rl.evaluate import evaluate_policy, wilson_interval, write_gif
+from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
 from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, VLAPolicy
 from vla_rl.pretrain import checked_task
@@ -174,6 +177,9 @@ class HABCEvalConfig:
         1_000_000, "reset seed of the first evaluation episode (disjoint from training seeds)", min=0
     )
     num_envs: int = option(8, "environments stepped in lockstep during evaluation", min=1)
+    videos: int = option(
+        2, "GIFs of the final policy on the first held-out episodes, written to OUTPUT_DIR/videos", min=0
+    )
 
 
 @dataclass
@@ -777,17 +783,96 @@ class VLAHABCTrainer(Trainer):
         )
 
     def train(self) -> dict[str, Any]:
-        """The shared loop, then the policy to OUTPUT_DIR/policy and the rollout counters to rollouts.json."""
+        """The shared loop, then to OUTPUT_DIR: the policy, the rollout counters with the episodes it
+        took to reach 80% held-out success (rollouts.json), success.png and evaluation GIFs."""
         try:
             result = super().train()
             if self.is_main:
                 self.policy.save_pretrained(self.run_dir / "policy")
-                summary = {"method": self.config.method, **self.counters}
+                curve = success_curve(self.run_dir, self.counters)
+                summary = {
+                    "method": self.config.method,
+                    **self.counters,
+                    "episodes_to_80": episodes_to(curve, 0.8),
+                }
                 (self.run_dir / "rollouts.json").write_text(json.dumps(summary, indent=1))
+                plot_success(
+                    curve, self.config.eval.episodes, self.config.method, self.run_dir / "success.png"
+                )
+                self.write_videos()
         finally:
             for env in getattr(self, "envs", []):
                 env.close()
         return result
+
+    def write_videos(self) -> None:
+        """GIFs of the final deterministic policy on the first `eval.videos` held-out episodes (the same
+        seeds the evaluation starts with), named by seed and outcome."""
+        e = self.config.eval
+        if not e.videos:
+            return
+        episodes = run_eval_episodes(
+            self.policy,
+            self.config.rollout.task,
+            e.videos,
+            e.seed,
+            num_envs=e.num_envs,
+            progress=False,
+            videos=e.videos,
+        )
+        for k, (frames, by_expert) in sorted(episodes.videos.items()):
+            outcome = "success" if episodes.success[k] else "failure"
+            write_gif(frames, by_expert, self.run_dir / "videos" / f"seed{episodes.seeds[k]}_{outcome}.gif")
+
+
+def success_curve(run_dir: Path, counters: dict[str, int]) -> list[tuple[int, int, float]]:
+    """(env steps, episodes, held-out success) at every evaluation of a run: before training (0, 0),
+    each `eval_every` row of metrics.jsonl, and after training (the final counters)."""
+    evaluations = json.loads((run_dir / "eval.json").read_text())
+    curve = [(0, 0, evaluations["before"]["success_rate"])] if "before" in evaluations else []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "eval_success_rate" in row:
+            curve.append((row["env_steps"], row["episodes"], row["eval_success_rate"]))
+    if "after" in evaluations and (not curve or curve[-1][0] != counters["env_steps"]):
+        curve.append((counters["env_steps"], counters["episodes"], evaluations["after"]["success_rate"]))
+    return curve
+
+
+def episodes_to(curve: list[tuple[int, int, float]], rate: float) -> int | None:
+    """Training episodes before the first evaluation at or above `rate` (None: never reached)."""
+    return next((episodes for _, episodes, success in curve if success >= rate), None)
+
+
+def plot_success(curve: list[tuple[int, int, float]], episodes: int, method: str, path: Path) -> None:
+    """Held-out success against env steps with Wilson 95% intervals, episodes marked on the points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, rollouts, rates = zip(*curve, strict=True) if curve else ((), (), ())
+    intervals = [wilson_interval(round(rate * episodes), episodes) for rate in rates]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.errorbar(
+        steps,
+        rates,
+        yerr=[
+            [r - lo for r, (lo, _) in zip(rates, intervals, strict=True)],
+            [hi - r for r, (_, hi) in zip(rates, intervals, strict=True)],
+        ],
+        marker="o",
+        capsize=3,
+        label=f"{method}: held-out success ({episodes} episodes, Wilson 95%)",
+    )
+    for x, y, n in zip(steps, rates, rollouts, strict=True):
+        ax.annotate(f"{n} ep.", (x, y), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+    ax.axhline(0.8, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="environment steps (policy and expert)", ylabel="success rate", ylim=(0, 1.05))
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 __all__ = [
@@ -797,8 +882,11 @@ __all__ = [
     "VLAHABCTrainer",
     "advantage_weights",
     "efficiency_rewards",
+    "episodes_to",
     "gate",
     "habc_advantages",
+    "plot_success",
+    "success_curve",
     "head_rows",
     "one_step_advantage",
     "viability_rewards",
