@@ -47,9 +47,11 @@ def _trainer(overrides: list[str], run_dir: str, model_dir: str) -> BranchGRPOTr
     return trainer
 
 
-def _time_steps(trainers: dict[str, BranchGRPOTrainer], iterations: int) -> dict[str, tuple[float, float]]:
-    """Median seconds per iteration and NFE per prompt of each trainer, after one warm-up iteration.
-    The variants take turns every iteration, so a change in the machine's load hits all of them alike."""
+def _time_steps(trainers: dict[str, BranchGRPOTrainer], iterations: int) -> dict[str, dict[str, float]]:
+    """Per variant: median seconds per iteration, median of its per-round time ratios to the first
+    variant, and NFE per prompt, after one warm-up iteration. The variants take turns every round and
+    each ratio divides two times of the same round, so a change in the machine's load between rounds
+    cancels out of the ratio instead of landing on whichever variant ran then."""
     times: dict[str, list[float]] = {name: [] for name in trainers}
     nfe: dict[str, float] = {}
     for trainer in trainers.values():
@@ -60,7 +62,15 @@ def _time_steps(trainers: dict[str, BranchGRPOTrainer], iterations: int) -> dict
             metrics = trainer.train_step(step)
             times[name].append(time.perf_counter() - start)
             nfe[name] = float(metrics["nfe"])
-    return {name: (statistics.median(times[name]), nfe[name]) for name in trainers}
+    base = times[next(iter(trainers))]
+    return {
+        name: {
+            "seconds": statistics.median(times[name]),
+            "time_ratio": statistics.median(t / b for t, b in zip(times[name], base, strict=True)),
+            "nfe": nfe[name],
+        }
+        for name in trainers
+    }
 
 
 def _verdict(ratio: float, target: float | None) -> str:
@@ -70,7 +80,7 @@ def _verdict(ratio: float, target: float | None) -> str:
 
 
 @BENCHES.register("diffusion")
-def bench_diffusion(iterations: int = 3) -> list[dict[str, Any]]:
+def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,15 +94,8 @@ def bench_diffusion(iterations: int = 3) -> list[dict[str, Any]]:
         }
         timed = _time_steps(trainers, iterations)
         for name, (_, nfe_target, time_target) in VARIANTS.items():
-            seconds, nfe = timed[name]
             rows.append(
-                {
-                    "variant": name,
-                    "seconds": seconds,
-                    "nfe": nfe,
-                    "nfe_target": nfe_target,
-                    "time_target": time_target,
-                }
+                {"variant": name, **timed[name], "nfe_target": nfe_target, "time_target": time_target}
             )
         fp4 = _explore_timing(_trainer([], f"{tmp}/fp4", f"{tmp}/model"), iterations)
     base = rows[0]
@@ -102,7 +105,6 @@ def bench_diffusion(iterations: int = 3) -> list[dict[str, Any]]:
     )
     for row in rows:
         row["nfe_ratio"] = row["nfe"] / base["nfe"]
-        row["time_ratio"] = row["seconds"] / base["seconds"]
         print(
             f"{row['variant']:<26}{row['nfe']:>11.0f}{row['nfe_ratio']:>10.3f}x  "
             f"{_verdict(row['nfe_ratio'], row['nfe_target']):<18}"

@@ -98,6 +98,7 @@ def test_error_text_goes_back_to_the_model(vlm, questions, monkeypatch):
     scripted(vlm, monkeypatch, [bad, "<answer>A</answer><|im_end|>"])
     (t,) = rollout(vlm, questions[:1], ToolRolloutConfig(), keys=None)
     assert t.tool_stats.errors == {"missing_key": 1} and len(t.sequence.images) == 1
+    assert t.tool_stats.calls == 1 and not t.used_tool  # no crop was seen: a tool-free answer
     shown = vlm.observation_token_ids(first_tool_call(bad).message).token_ids
     start = len(prompt_segment(vlm, questions[0], None)) + len(vlm.segment(bad))
     assert t.sequence.token_ids[start : start + len(shown)] == shown

@@ -69,7 +69,10 @@ class Trajectory:
 
     @property
     def used_tool(self) -> bool:
-        return self.tool_stats.calls > 0
+        """Whether the model saw a crop. A call that only got an error back does not count: the answer
+        was made without the tool, and the adaptive reward's credit for trying the tool (a wrong answer
+        with a zoom ranks above a wrong direct answer) must not be reachable by writing a broken call."""
+        return self.tool_stats.successes > 0
 
     @property
     def generated_tokens(self) -> int:
