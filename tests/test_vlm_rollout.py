@@ -8,10 +8,10 @@ import torch
 from mmrl.cli import load_plugins, main
 from mmrl.noise import NoiseKey
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, task_vocabulary, tool_call_text
-from vlm_rl.models import Generation, VLMAdapter
+from vlm_rl.models import Generation, Segment, VLMAdapter
 from vlm_rl.rewards import adaptive_tool_rewards
-from vlm_rl.rollout import ToolRolloutConfig, prompt_segment, rollout
-from vlm_rl.tools import first_tool_call
+from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, prompt_segment, rollout
+from vlm_rl.tools import ToolStats, first_tool_call
 
 load_plugins()
 
@@ -213,6 +213,9 @@ def test_sft_then_grpo_train_save_and_resume(vlm, tmp_path):
     assert {"accuracy", "tool_ratio", "tool_error_bad_json", "tokens_per_answer", "groups_kept"} <= set(
         straight_rows[0]
     )
+    assert all(
+        any(key.startswith("tool_ratio_") for key in row) for row in straight_rows if "accuracy" in row
+    )
     run(tmp_path / "stopped", 2)
     resumed_rows, resumed = run(tmp_path / "stopped", 4, "resume=true")
     assert resumed_rows == straight_rows
@@ -312,3 +315,24 @@ def test_questions_from_jsonl_files(vlm, tmp_path, capsys):
         == 2
     )
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_metrics_by_kind_split_accuracy_and_tool_use():
+    def done(calls: int, successes: int) -> Trajectory:
+        t = Trajectory(Segment([]), [], [], ("a", "b"), store=None, turns=1 + calls, ended="answer")
+        t.tool_stats = ToolStats(calls=calls, successes=successes)
+        return t
+
+    # two detail questions zoomed (one right), a global one answered directly (right), a global one
+    # with a failed call only (wrong): that last one did not use the tool
+    trajectories = [done(1, 1), done(1, 1), done(0, 0), done(1, 0)]
+    metrics = metrics_by_kind(
+        trajectories, [True, False, True, False], ["detail", "detail", "global", "global"]
+    )
+    assert metrics == {
+        "accuracy_detail": 0.5,
+        "tool_ratio_detail": 1.0,
+        "accuracy_global": 0.5,
+        "tool_ratio_global": 0.0,
+    }
+    assert metrics_by_kind(trajectories, [True] * 4, [""] * 4) == {}  # data without kinds

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from vlm_rl.data import Question
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import ToolMode, ToolRolloutConfig, rollout, rollout_metrics
+from vlm_rl.rollout import ToolMode, ToolRolloutConfig, metrics_by_kind, rollout, rollout_metrics
 
 REPORTED = ("accuracy", "tool_ratio", "tokens_per_answer", "tool_calls", "tool_success_rate")
 
@@ -34,9 +34,6 @@ def evaluate_questions(
         metrics = rollout_metrics(trajectories, correct)
         results |= {f"{mode}_{name}": metrics[name] for name in REPORTED}
         results[f"{mode}_answered"] = metrics["ended_answer"]
-        for kind in sorted({q.kind for q in questions if q.kind}):
-            rows = [i for i, q in enumerate(questions) if q.kind == kind]
-            part = rollout_metrics([trajectories[i] for i in rows], [correct[i] for i in rows])
-            results[f"{mode}_accuracy_{kind}"] = part["accuracy"]
-            results[f"{mode}_tool_ratio_{kind}"] = part["tool_ratio"]
+        by_kind = metrics_by_kind(trajectories, correct, [q.kind for q in questions])
+        results |= {f"{mode}_{name}": value for name, value in by_kind.items()}
     return results

@@ -197,3 +197,16 @@ def rollout_metrics(trajectories: Sequence[Trajectory], correct: Sequence[bool])
         f"ended_{reason}": sum(t.ended == reason for t in trajectories) / max(n, 1) for reason in END_REASONS
     }
     return metrics
+
+
+def metrics_by_kind(
+    trajectories: Sequence[Trajectory], correct: Sequence[bool], kinds: Sequence[str]
+) -> dict[str, float]:
+    """``accuracy_{kind}`` and ``tool_ratio_{kind}`` for each question kind present (the synthetic
+    task's global / detail): whether the policy zooms where a zoom is needed shows only per kind."""
+    metrics = {}
+    for kind in sorted(set(kinds) - {""}):
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        part = rollout_metrics([trajectories[i] for i in rows], [correct[i] for i in rows])
+        metrics |= {f"accuracy_{kind}": part["accuracy"], f"tool_ratio_{kind}": part["tool_ratio"]}
+    return metrics

@@ -13,8 +13,9 @@ One step, top to bottom in `ToolGRPOTrainer.train_step`:
 5. group-normalised advantages, PPO-clip on every token the policy sampled (observation tokens are
    masked), `train.minibatches` optimizer steps per rollout batch.
 
-Metrics every step: reward, accuracy, tool-usage ratio, accuracy with and without the tool,
-tool-call errors by kind, tokens per answer, how rollouts ended, groups kept.
+Metrics every step: reward, accuracy and tool-usage ratio (also per question kind where the data names
+kinds), accuracy with and without the tool, tool-call errors by kind, tokens per answer, how rollouts
+ended, groups kept.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from mmrl.trainer import Trainer
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.evaluate import evaluate_questions
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, Trajectory, rollout, rollout_metrics
+from vlm_rl.rollout import (
+    TOOL_MODES,
+    ToolRolloutConfig,
+    Trajectory,
+    metrics_by_kind,
+    rollout,
+    rollout_metrics,
+)
 
 DEFAULT_MODEL = "runs/pretrain/vlm/model"
 
@@ -162,6 +170,7 @@ class ToolGRPOTrainer(Trainer):
 
         metrics = self.optimise(trajectories, advantages, step)
         metrics |= rollout_metrics(trajectories, correct)
+        metrics |= metrics_by_kind(trajectories, correct, [q.kind for q in questions for _ in range(g)])
         metrics |= {
             "skipped_steps": self.skipped_steps,
             "reward": rewards.mean(),
