@@ -79,6 +79,24 @@ def ode_step(velocity: Tensor, x: Tensor, sigma: Timestep, sigma_next: Timestep)
     return (x.float() + dt * velocity.float()).to(x.dtype)
 
 
+def adams_bashforth2_step(
+    velocity: Tensor,
+    prev_velocity: Tensor,
+    x: Tensor,
+    sigma: Timestep,
+    sigma_next: Timestep,
+    prev_dt: Timestep,
+) -> Tensor:
+    """Second-order multistep flow step: extrapolates the velocity from this and the previous
+    evaluation (taken `prev_dt` earlier, in sigma), so a long ODE stretch can take steps twice as long
+    for one model evaluation each at an error comparable to Euler's (MixGRPO-Flash's idea)."""
+    _check_shapes(x, velocity=velocity, prev_velocity=prev_velocity)
+    dt = _per_sample(sigma_next, x, "sigma_next") - _per_sample(sigma, x, "sigma")
+    ratio = dt / _per_sample(prev_dt, x, "prev_dt")
+    slope = (1 + ratio / 2) * velocity.float() - (ratio / 2) * prev_velocity.float()
+    return (x.float() + dt * slope).to(x.dtype)
+
+
 def flow_grpo_step(
     velocity: Tensor,
     x: Tensor,

@@ -30,7 +30,14 @@ from accelerate.utils import gather_object
 
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.sampling import evaluate_alignment, save_grid
-from diffusion_rl.sde import StepOutput, initial_noise_std, sde_step, sde_step_mask
+from diffusion_rl.sde import (
+    StepOutput,
+    adams_bashforth2_step,
+    initial_noise_std,
+    ode_step,
+    sde_step,
+    sde_step_mask,
+)
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import gaussian_kl_same_std, ppo_clip
@@ -75,6 +82,12 @@ class RolloutConfig:
         "own (Flow-GRPO), which costs one more model evaluation per child",
     )
     sde_window: list[int] | None = option(None, "[start, end): SDE only there and at splits (Mix); null: all")
+    ode_stride: int = option(
+        1,
+        "ODE steps outside the SDE window taken this many at a time, second-order (MixGRPO-Flash); "
+        "1: one Euler step each",
+        min=1,
+    )
     reward_fusion: Literal["mean", "logprob_weighted"] = option("mean", "how a node's reward is fused")
 
 
@@ -283,6 +296,10 @@ def rollout_trees(
         return new_rows, parent_rows
 
     splits = set(plan.split_steps)
+
+    def deterministic(i: int) -> bool:
+        return not plan.sde_mask[i] and i not in splits
+
     if not rollout.shared_initial_noise:  # the split at step 0 happens before it, on the initial noise
         rows, _ = branch(rows)
         splits.discard(0)
@@ -291,12 +308,26 @@ def rollout_trees(
     ]
     x = keyed_randn_batch(pipe.latent_shape(), initial_keys, device=device) * initial_noise_std(sigmas[0])
     evaluations = 0
-    for i in range(plan.steps):
+    previous: tuple[torch.Tensor, torch.Tensor] | None = None  # last ODE velocity and its sigma step
+    i = 0
+    while i < plan.steps:
         tree_index = [t for t, _ in rows]
         v = pipe.velocity(
             x, sigmas[i].expand(len(rows)), cond[tree_index], rollout.guidance_scale, uncond[tree_index]
         )
         evaluations += len(rows)
+        if deterministic(i):  # ODE: up to `ode_stride` steps in one, never across a stochastic step
+            end = i + 1
+            while end < min(i + rollout.ode_stride, plan.steps) and deterministic(end):
+                end += 1
+            if previous is None:
+                x_next = ode_step(v, x, sigmas[i], sigmas[end])
+            else:
+                x_next = adams_bashforth2_step(v, previous[0], x, sigmas[i], sigmas[end], previous[1])
+            previous = (v, sigmas[end] - sigmas[i]) if rollout.ode_stride > 1 else None
+            x, i = x_next, end
+            continue
+        previous = None
         if i in splits:  # children share the parent's velocity at the split step
             rows, parent_rows = branch(rows)
             x, v = x[parent_rows], v[parent_rows]
@@ -313,8 +344,7 @@ def rollout_trees(
                     StepRecord(i, x[r].clone(), out.prev_sample[r].clone(), float(out.log_prob[r]))
                 )
             x = out.prev_sample
-        else:
-            x = x + (sigmas[i + 1] - sigmas[i]) * v
+        i += 1
     for t, tree in enumerate(trees):  # leaves in tree order, matching `rows`
         assert [n for tt, n in rows if tt == t] == tree.leaves()
     for tree in trees:

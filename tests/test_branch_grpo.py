@@ -241,6 +241,24 @@ def test_mix_trains_only_stochastic_steps(model_dir, tmp_path):
     assert (full, mix) == (2 * (2 * 2 + 4 * 2 + 8 * 4), 2 * (2 + 4 + 8))
 
 
+def test_ode_stride_skips_evaluations_only_between_stochastic_steps(model_dir, tmp_path):
+    window = ("rollout.sde_window=[0,1]",)  # 8 steps: SDE at 0, 2, 4 (splits); ODE at 1, 3, 5, 6, 7
+    euler = trainer_for(model_dir, tmp_path / "a", *window)
+    strided = trainer_for(model_dir, tmp_path / "b", *window, "rollout.ode_stride=2")
+    trees_e, leaves_e, nfe_e = rollout(euler, euler.plan)
+    trees_s, leaves_s, nfe_s = rollout(strided, strided.plan)
+    # per tree: steps 1 and 3 stay single ODE steps (each followed by a split); 5-7 become 5->7, 7->8
+    assert nfe_e / 2 == 1 + 2 + 2 + 4 + 4 + 8 * 3
+    assert nfe_s / 2 == 1 + 2 + 2 + 4 + 4 + 8 * 2
+    for tree_e, tree_s in zip(trees_e, trees_s, strict=True):  # every stochastic step is the same
+        for node_e, node_s in zip(tree_e.nodes, tree_s.nodes, strict=True):
+            for record_e, record_s in zip(node_e.state["records"], node_s.state["records"], strict=True):
+                assert record_e.step == record_s.step
+                torch.testing.assert_close(record_e.x_next, record_s.x_next)
+    assert torch.isfinite(leaves_s).all() and not torch.equal(leaves_s, leaves_e)
+    assert (leaves_s - leaves_e).abs().mean() < 0.1 * leaves_e.abs().mean()
+
+
 def test_fp4_exploration_keeps_best_and_worst_and_replays(model_dir, tmp_path):
     trainer = trainer_for(
         model_dir, tmp_path, "explore.enabled=true", "explore.branch_factor=3", "explore.keep=4"
