@@ -532,14 +532,14 @@ class BranchGRPOTrainer(Trainer):
                 tree.set_leaf_reward(leaf, float(rewards[offset]))
                 offset += 1
         advantages = self.node_advantages(trees, ids)
-        samples = self.training_samples(trees, advantages, step)
-        loss_metrics = self.optimise(samples, cond, uncond, step)
+        groups = self.training_samples(trees, advantages, step)
+        loss_metrics = self.optimise(groups, cond, uncond, step)
         metrics.update(loss_metrics)
         metrics.update(
             reward=rewards.mean(),
             reward_std=rewards.std(),
             nfe=evaluations / len(trees),
-            trained_steps=len(samples),
+            trained_steps=sum(len(group) for group in groups),
             leaves_per_prompt=len(rewards) / len(trees),
             skipped_steps=self.skipped_steps,
             step_seconds=time.perf_counter() - started,  # wall-clock of the rollout, reward and update
@@ -621,39 +621,44 @@ class BranchGRPOTrainer(Trainer):
 
     def training_samples(
         self, trees: list[RolloutTree], advantages: dict[tuple[int, int], float], step: int
-    ) -> list[tuple[int, StepRecord, float]]:
-        """(tree index, step record, advantage) for every stochastic step of every trained edge."""
+    ) -> list[list[tuple[int, StepRecord, float]]]:
+        """(tree index, step record, advantage) for every stochastic step of every trained edge, in
+        groups that share their input: siblings' first steps start from their parent's latent at the
+        split, so the update evaluates the model once for them, as the rollout did."""
         cfg = self.config
-        samples = []
+        groups: dict[tuple[int, int, int], list[tuple[int, StepRecord, float]]] = {}
         for t, tree in enumerate(trees):
             edges = tree.edges()
             if cfg.prune.width != "none":
                 node_adv = [advantages.get((t, n), 0.0) for n in range(len(tree))]  # indexed by node id
                 edges = width_prune(tree, node_adv, mode=cfg.prune.width)
-            for _, child in edges:
+            for parent, child in edges:
                 if tree.nodes[child].depth in cfg.prune.depths:
                     continue
                 a = advantages.get((t, child), 0.0)
-                samples += [(t, record, a) for record in tree.nodes[child].state["records"]]
-        return samples
+                for k, record in enumerate(tree.nodes[child].state["records"]):
+                    key = (t, parent if k == 0 else child, record.step)
+                    groups.setdefault(key, []).append((t, record, a))
+        return list(groups.values())
 
     def optimise(
         self,
-        samples: list[tuple[int, StepRecord, float]],
+        groups: list[list[tuple[int, StepRecord, float]]],
         cond: Conditioning,
         uncond: Conditioning,
         step: int,
     ) -> dict[str, Any]:
         """PPO-clip over all samples: shuffled (keyed by seed and step, so resumes are exact) and split
         into `train.minibatches` optimizer steps, each accumulated over micro-batches. Every mini-batch
-        after the first is off-policy, which is where the ratio clip acts."""
+        after the first is off-policy, which is where the ratio clip acts. Groups of samples with one
+        input are shuffled as units, so they share a micro-batch and one model evaluation."""
         cfg = self.config
-        if not samples:
+        if not groups:
             return {"loss": 0.0}
         order = torch.randperm(
-            len(samples), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            len(groups), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         ).tolist()
-        shuffled = [samples[i] for i in order]
+        shuffled = [sample for i in order for sample in groups[i]]
         minibatches = [part for part in split_evenly(shuffled, cfg.train.minibatches) if part]
         sigmas = self.pipe.sigmas(cfg.rollout.steps)
         split_steps = set(self.plan.split_steps)
@@ -710,20 +715,25 @@ class BranchGRPOTrainer(Trainer):
         sigmas: torch.Tensor,
         split_steps: set[int],
     ) -> StepOutput:
-        """Log-probs of a micro-batch of stored steps under `denoiser` (the policy or the reference)."""
-        tree_index = [t for t, _, _ in chunk]
+        """Log-probs of a micro-batch of stored steps under `denoiser` (the policy or the reference).
+        Rows with the same prompt, step and latent (siblings at a split) share one model evaluation."""
+        tree_index = torch.tensor([t for t, _, _ in chunk], device=self.pipe.device)
         steps = torch.tensor([r.step for _, r, _ in chunk], device=self.pipe.device)
         x = torch.stack([r.x for _, r, _ in chunk])
         x_next = torch.stack([r.x_next for _, r, _ in chunk])
         sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
+        rows = torch.cat([tree_index[:, None], steps[:, None], x.flatten(1)], dim=1).float()
+        _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), len(chunk), device=x.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(len(chunk), device=x.device), "amin")
         v = self.pipe.velocity(
-            x,
-            sigma,
-            cond[tree_index],
+            x[first],
+            sigma[first],
+            cond[tree_index[first].tolist()],
             self.config.rollout.guidance_scale,
-            uncond[tree_index],
+            uncond[tree_index[first].tolist()],
             denoiser=denoiser,
-        )
+        )[inverse]
         is_split = torch.tensor([r.step in split_steps for _, r, _ in chunk])
         return self.recompute(v, x, sigma, sigma_next, x_next, is_split)
 

@@ -139,24 +139,29 @@ def test_fewer_step_exploration_shares_initial_and_split_noise_with_the_replay(m
     assert not torch.equal(first_full.x_next, first_few.x_next)
 
 
-def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path):
+def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path, monkeypatch):
     trainer = trainer_for(model_dir, tmp_path, "rollout.split_noise_scale=1.5")
     trees, _, _ = rollout(trainer, trainer.plan)
     for tree in trees:
         for leaf in tree.leaves():
             tree.set_leaf_reward(leaf, float(leaf))
-    samples = trainer.training_samples(trees, trainer.node_advantages(trees, [3, 5]), 0)
+    groups = trainer.training_samples(trees, trainer.node_advantages(trees, [3, 5]), 0)
+    samples = [sample for group in groups for sample in group]
     assert len(samples) == 2 * (2 * 2 + 4 * 2 + 8 * 4)
-    sigmas = shifted_sigmas(8)
-    x = torch.stack([r.x for _, r, _ in samples])
-    steps = torch.tensor([r.step for _, r, _ in samples])
+    # siblings' first steps (at splits 0, 2, 4: 1 + 2 + 4 parents per tree) share their input
+    assert len(groups) == len(samples) - 2 * (1 + 2 + 4)
+    for group in groups:
+        assert all(torch.equal(r.x, group[0][1].x) and r.step == group[0][1].step for _, r, _ in group)
     cond = trainer.pipe.encode_prompts([trainer.prompts[3], trainer.prompts[5]])
-    with torch.no_grad():
-        v = trainer.pipe.velocity(x, sigmas[steps], cond[[t for t, _, _ in samples]])
-    is_split = torch.tensor([r.step in (0, 2, 4) for _, r, _ in samples])
-    out = trainer.recompute(
-        v, x, sigmas[steps], sigmas[steps + 1], torch.stack([r.x_next for _, r, _ in samples]), is_split
+    evaluated, velocity = [], trainer.pipe.velocity
+    monkeypatch.setattr(
+        trainer.pipe, "velocity", lambda x, *a, **k: evaluated.append(len(x)) or velocity(x, *a, **k)
     )
+    with torch.no_grad():
+        out = trainer.chunk_log_probs(
+            trainer.model, samples, cond, trainer.uncond_one[[0, 0]], shifted_sigmas(8), {0, 2, 4}
+        )
+    assert evaluated == [len(groups)]  # one model evaluation per shared input
     old = torch.tensor([r.old_logp for _, r, _ in samples])
     # exact for the same velocity (tests/test_sde.py); here the training batch differs from the rollout
     # batches, so the model's matmuls round differently: ratios are 1 to float32 rounding
