@@ -2,6 +2,8 @@
 
 `import sim` registers `mmrl/Reach-v0`, `mmrl/Push-v0` and `mmrl/PickPlace-v0`; create them with
 `gymnasium.make(...)`, `gymnasium.make_vec(...)` or `sim.make(name)` (which also takes "Reach" etc.).
+`sim.make` also builds the external tasks of `EXTERNAL_TASKS` by their gymnasium id (e.g.
+"FetchReach-v4" from gymnasium-robotics) with the same observations, info and options.
 Headless rendering defaults to EGL: set MUJOCO_GL before importing sim (or mujoco) to choose another.
 """
 
@@ -14,6 +16,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import gymnasium as gym  # noqa: E402
 
+from sim.adapters import EXTERNAL_TASKS, ExternalTask  # noqa: E402
 from sim.env import ArmEnv  # noqa: E402
 from sim.randomization import DomainRandomization  # noqa: E402
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv  # noqa: E402
@@ -34,18 +37,47 @@ for _task_id, _cls in TASKS.items():
 
 
 def task_id(name: str) -> str:
-    """The full id of a task given as "mmrl/PickPlace-v0", "PickPlace-v0" or "PickPlace"."""
+    """The full id of a task given as "mmrl/PickPlace-v0", "PickPlace-v0", "PickPlace" or an external
+    task's gymnasium id; ValueError says why a name cannot be used and what to do instead."""
     for full in TASKS:
         if name in (full, full.removeprefix("mmrl/"), full.removeprefix("mmrl/").removesuffix("-v0")):
             return full
-    hint = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.4)
+    external = EXTERNAL_TASKS.get(name)
+    if external is not None:
+        problem = external.missing()
+        if problem:
+            raise ValueError(problem)
+        return name
+    available = f"available: {', '.join(TASKS)}; external gymnasium tasks: {', '.join(EXTERNAL_TASKS)}."
+    if name in gym.registry:
+        raise ValueError(
+            f"{name!r} is a gymnasium env, but mmrl has no adapter for it; {available} To add it, "
+            "describe it in sim.adapters.EXTERNAL_TASKS (instruction, which observations the policy "
+            "sees) and give it a scripted expert in sim.experts.EXTERNAL_EXPERTS."
+        )
+    hint = difflib.get_close_matches(name, [*TASKS, *EXTERNAL_TASKS], n=1, cutoff=0.4)
     extra = f" Did you mean {hint[0]!r}?" if hint else ""
-    raise ValueError(f"unknown sim task {name!r}; available: {', '.join(TASKS)}.{extra}")
+    raise ValueError(f"unknown sim task {name!r}; {available}{extra}")
 
 
 def make(name: str, **kwargs) -> gym.Env:
-    """`gymnasium.make` for our tasks, with a short name allowed and the task list in the error."""
-    return gym.make(task_id(name), **kwargs)
+    """`gymnasium.make` for our tasks (a short name allowed) and `ExternalTask.make` for external ones,
+    with the task list in the error."""
+    full = task_id(name)
+    if full in EXTERNAL_TASKS:
+        return EXTERNAL_TASKS[full].make(**kwargs)
+    return gym.make(full, **kwargs)
 
 
-__all__ = ["TASKS", "ArmEnv", "DomainRandomization", "PickPlaceEnv", "PushEnv", "ReachEnv", "make", "task_id"]
+__all__ = [
+    "EXTERNAL_TASKS",
+    "TASKS",
+    "ArmEnv",
+    "DomainRandomization",
+    "ExternalTask",
+    "PickPlaceEnv",
+    "PushEnv",
+    "ReachEnv",
+    "make",
+    "task_id",
+]

@@ -68,6 +68,7 @@ class ArmEnv(gym.Env):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}
     max_episode_steps: ClassVar[int] = 100  # registered with gymnasium as the TimeLimit
     task_state: ClassVar[tuple[tuple[str, int], ...]] = ()  # (name, size) after PROPRIO in "state"
+    robot_type: ClassVar[str] = "mmrl_gantry_arm"  # recorded in datasets
 
     def __init__(
         self,

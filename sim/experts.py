@@ -10,7 +10,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from sim import TASKS, task_id
+from sim import EXTERNAL_TASKS, TASKS, ExternalTask, task_id
 from sim.env import CUBE_HALF, GRIPPER_OPEN, MAX_STEP, MAX_YAW_STEP, ArmEnv
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
 
@@ -34,7 +34,7 @@ def cube_yaw(quat: np.ndarray) -> float:
 class Expert:
     """Base expert: call it with a state vector (or a batch of them) of the task it was made for."""
 
-    def __init__(self, task: type[ArmEnv]) -> None:
+    def __init__(self, task: type[ArmEnv] | ExternalTask) -> None:
         self.layout = task.layout()
 
     def __call__(self, state: np.ndarray) -> np.ndarray:
@@ -45,7 +45,7 @@ class Expert:
 
     def act(self, env: gym.Env) -> np.ndarray:
         """Action for the env's current state, whatever its obs_mode."""
-        return self(env.unwrapped.get_state())
+        return self(env.get_wrapper_attr("get_state")())
 
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
         raise NotImplementedError
@@ -123,23 +123,47 @@ class PickPlaceExpert(Expert):
         return move(ee, ee, OPEN)  # on the pad: release
 
 
+class FetchReachExpert(Expert):
+    """gymnasium-robotics' FetchReach: move the gripper straight at the goal (proportional, a full step
+    when far). The gripper command is 0: that task ignores it."""
+
+    step = 0.05  # m the gripper's target moves per unit action (gymnasium_robotics/envs/fetch/fetch_env.py)
+
+    def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
+        delta = np.clip((s["desired_goal"] - s["achieved_goal"]) / self.step, -1.0, 1.0)
+        return np.append(delta, 0.0).astype(np.float32)
+
+
 EXPERTS: dict[type[ArmEnv], type[Expert]] = {
     ReachEnv: ReachExpert,
     PushEnv: PushExpert,
     PickPlaceEnv: PickPlaceExpert,
 }
+EXTERNAL_EXPERTS: dict[str, type[Expert]] = {"FetchReach-v4": FetchReachExpert}  # by EXTERNAL_TASKS id
 
 
 def expert_for(env: gym.Env | gym.vector.VectorEnv | str) -> Expert:
     """The scripted expert for a task given by id, by a (wrapped) env or by a vector env made from an id."""
-    if isinstance(env, str):
-        task = TASKS[task_id(env)]
-    elif isinstance(env, gym.vector.VectorEnv):
+    if isinstance(env, gym.vector.VectorEnv):
         if env.spec is None:
             raise ValueError("this vector env has no spec (not made by gymnasium.make_vec); pass the task id")
-        task = TASKS[task_id(env.spec.id)]
-    else:
+        if env.spec.id in EXTERNAL_TASKS:
+            raise ValueError(f"{env.spec.id} is external: pass its id or an env made by sim.make")
+        env = env.spec.id
+    if isinstance(env, str):
+        name = task_id(env)
+        task = EXTERNAL_TASKS[name] if name in EXTERNAL_TASKS else TASKS[name]
+    elif isinstance(env.unwrapped, ArmEnv):
         task = type(env.unwrapped)
+    else:
+        spec = env.unwrapped.spec
+        task = EXTERNAL_TASKS.get(spec.id if spec is not None else "")
+        if task is None:
+            raise TypeError(f"no scripted expert for {env.unwrapped}: not one of mmrl's tasks")
+    if isinstance(task, ExternalTask):
+        if task.env_id in EXTERNAL_EXPERTS:
+            return EXTERNAL_EXPERTS[task.env_id](task)
+        raise TypeError(f"no scripted expert for {task.env_id}; add one to sim.experts.EXTERNAL_EXPERTS")
     for cls, expert in EXPERTS.items():
         if issubclass(task, cls):
             return expert(task)

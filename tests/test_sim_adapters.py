@@ -1,5 +1,6 @@
 """Adapters give external gymnasium envs our interface (dict obs, is_success, instruction)."""
 
+import dataclasses
 import importlib.util
 import warnings
 
@@ -66,3 +67,36 @@ def test_success_key_from_info_and_clear_error_without_it():
     with pytest.raises(ValueError, match="render_mode='rgb_array'"):
         SuccessAdapter(gym.make("mmrl/Push-v0"), "push", image=True)
     assert sim.TASKS  # our own tasks stay registered alongside the external ones
+
+
+def test_state_keys_and_proprio_dim_are_checked():
+    env = SuccessAdapter(gym.make("mmrl/Push-v0"), "push", state_keys=["state"], proprio_dim=9)
+    obs, _ = env.reset(seed=0)
+    assert env.proprio_dim == 9 and env.state_layout == {"state": slice(0, obs["state"].size)}
+    np.testing.assert_array_equal(env.get_state(), obs["state"])
+    with pytest.raises(ValueError, match="must name every observation key once"):
+        SuccessAdapter(gym.make("mmrl/Push-v0"), "push", state_keys=["state", "goal"])
+    with pytest.raises(ValueError, match="proprio_dim = 0; between 1 and the state size"):
+        SuccessAdapter(gym.make("mmrl/Push-v0"), "push", proprio_dim=0)
+
+
+@needs_gym_mujoco
+def test_state_keys_need_dict_observations():
+    with pytest.raises(ValueError, match="state_keys needs Dict observations, not Box"):
+        make_external("Reacher-v5", "reach", success_fn=near_target, state_keys=["x"])
+
+
+def test_external_task_names_say_what_to_do():
+    with pytest.raises(ValueError, match="'Ant-v5' is a gymnasium env, but mmrl has no adapter.*EXTERNAL"):
+        sim.task_id("Ant-v5")
+    with pytest.raises(ValueError, match="unknown sim task 'FetchReech-v4'.*Did you mean 'FetchReach-v4'"):
+        sim.task_id("FetchReech-v4")
+
+
+def test_external_task_without_its_package_says_how_to_install_it(monkeypatch):
+    missing = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], package="mmrl_no_such_package")
+    monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v4", missing)
+    with pytest.raises(ValueError, match=r"not installed: pip install 'mmrl\[fetch\]'"):
+        sim.task_id("FetchReach-v4")
+    with pytest.raises(ImportError, match="mmrl_no_such_package, which is not installed"):
+        missing.make()

@@ -1,6 +1,7 @@
 """The small VLA: shapes, its clipped-Gaussian chunk distribution, chunk execution, saving, behaviour
 cloning on recorded demonstrations, and `mmrl pretrain vla` end to end with its config errors."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -210,6 +211,7 @@ def test_pretrain_vla_end_to_end(tmp_path, capsys):
     ("override", "message"),
     [
         ("data.task=Stack", "data.task = 'Stack': unknown sim task"),
+        ("data.task=Ant-v5", "data.task = 'Ant-v5': 'Ant-v5' is a gymnasium env, but mmrl has no adapter"),
         ("model.horizon=0", "model.horizon = 0 is out of range: allowed >= 1"),
         ("model.n_action_steps=9", "model.n_action_steps = 9 must be <= model.horizon = 8"),
         ("eval.seed=10", "overlap the demonstration seeds"),
@@ -219,6 +221,13 @@ def test_pretrain_vla_end_to_end(tmp_path, capsys):
 def test_config_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("pretrain/vla", [override])
+
+
+def test_external_task_without_its_package_is_a_config_error(monkeypatch):
+    missing = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], package="mmrl_no_such_package")
+    monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v4", missing)
+    with pytest.raises(ConfigError, match=r"data.task = 'FetchReach-v4'.*pip install 'mmrl\[fetch\]'"):
+        load_config("pretrain/vla", ["data.task=FetchReach-v4"])
 
 
 def test_config_error_on_the_command_line(capsys):

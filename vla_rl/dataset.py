@@ -694,6 +694,12 @@ class RobotDataset(torch.utils.data.Dataset):
             )
 
 
+def env_attribute(env: Any, name: str) -> Any:
+    """An attribute of the env or of any of its wrappers (our tasks and SuccessAdapter set the same
+    ones), or None."""
+    return env.get_wrapper_attr(name) if env.has_wrapper_attr(name) else None
+
+
 def env_features(env: Any) -> dict[str, dict[str, Any]]:
     """Dataset features for a sim env's "state" (and "image") observations and its actions."""
     spaces = env.observation_space.spaces
@@ -701,7 +707,7 @@ def env_features(env: Any) -> dict[str, dict[str, Any]]:
         raise ValueError(
             f"recording needs a 'state' observation (obs_mode 'state' or 'state+rgb'), got {list(spaces)}"
         )
-    layout = getattr(env.unwrapped, "state_layout", None)
+    layout = env_attribute(env, "state_layout")
     names = [f"{part}.{i}" for part, s in layout.items() for i in range(s.stop - s.start)] if layout else None
     features = {
         STATE_KEY: {"dtype": "float32", "shape": [spaces["state"].shape[0]], "names": names},
@@ -721,17 +727,18 @@ def record_episodes(
     *,
     obs_mode: str = "state",
     image_size: int = 96,
-    robot_type: str = "mmrl_gantry_arm",
+    robot_type: str | None = None,
     frames_per_file: int = 10_000,
     action_noise: float = 0.0,
 ) -> RobotDataset:
     """Roll out `actor` for `n` episodes (reset seeds seed, seed+1, ...) and write them as a dataset:
     the demonstrations behaviour cloning starts from.
 
-    `env` is a sim task name ("PickPlace", made with `obs_mode` and `image_size`) or an env (used as it
-    is and not closed). `actor` None means the task's scripted expert, which acts on the privileged
-    state; its frames are marked is_intervention. Any other actor is a policy called as
-    actor(obs, instruction) -> action, and its frames are marked policy_executed.
+    `env` is a sim task name ("PickPlace" or an external id such as "FetchReach-v4", made with `obs_mode`
+    and `image_size`) or an env (used as it is and not closed); `robot_type` None takes the env's.
+    `actor` None means the task's scripted expert, which acts on the privileged state; its frames are
+    marked is_intervention. Any other actor is a policy called as actor(obs, instruction) -> action, and
+    its frames are marked policy_executed.
 
     `action_noise` > 0 executes the action plus Gaussian noise of that standard deviation (clipped to
     the action space) but records the clean action (DART): the demonstrations then show how the actor
@@ -750,6 +757,7 @@ def record_episodes(
         features = env_features(env)
         if not env.metadata.get("render_fps"):
             raise ValueError("the env's metadata has no 'render_fps': a dataset needs the control rate (fps)")
+        robot_type = robot_type or env_attribute(env, "robot_type")
         with DatasetWriter(
             root, env.metadata["render_fps"], features, robot_type, frames_per_file=frames_per_file
         ) as writer:

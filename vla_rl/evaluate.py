@@ -39,6 +39,10 @@ from vla_rl.policy import VLAPolicy
 
 VIDEO_FPS = 10  # the sim's control rate
 EXPERT_BORDER = (220, 30, 30)  # GIF frames that follow an expert action get a red border
+TASK_HELP = (  # the task option of every vla config
+    "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0), or an external gymnasium id "
+    "from sim.EXTERNAL_TASKS: FetchReach-v4 (gymnasium-robotics: pip install 'mmrl[fetch]')"
+)
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -113,10 +117,13 @@ def run_episodes(
     def record(j: int, k: int, by_expert: bool | None) -> None:
         if k >= videos:
             return
-        if j not in cameras:
-            cameras[j] = CameraRenderer(envs[j].unwrapped.model, "front", video_size, video_size)
         frames, flags = out.videos.setdefault(k, ([], []))
-        frames.append(cameras[j].render(envs[j].unwrapped.data).copy())
+        if isinstance(envs[j].unwrapped, sim.ArmEnv):
+            if j not in cameras:
+                cameras[j] = CameraRenderer(envs[j].unwrapped.model, "front", video_size, video_size)
+            frames.append(cameras[j].render(envs[j].unwrapped.data).copy())
+        else:  # an external task has no "front" camera: its own render, the policy's view
+            frames.append(np.asarray(envs[j].render()).copy())
         flags.append(bool(by_expert))
 
     bar = tqdm(total=episodes, desc=f"eval {task}", disable=not progress, dynamic_ncols=True, leave=False)
@@ -139,7 +146,7 @@ def run_episodes(
                     k = ids[j]
                     action, by_expert = actions[j], False
                     if expert is not None and takeover is not None:
-                        expert_action = expert(envs[j].unwrapped.get_state())
+                        expert_action = expert(envs[j].get_wrapper_attr("get_state")())
                         if expert_left[j] == 0:
                             rms = float(np.sqrt(np.mean((action - expert_action) ** 2)))
                             straying[j] = straying[j] + 1 if rms > takeover.threshold else 0
@@ -202,7 +209,7 @@ def evaluate_policy(
 @dataclass
 class VLAPoliciesEvalConfig:
     policies: list[str] = option([], "VLAPolicy directories (save_pretrained), run on the same episodes")
-    task: str = option("PickPlace", "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0)")
+    task: str = option("PickPlace", TASK_HELP)
     episodes: int = option(100, "episodes per policy", min=1)
     seed: int = option(1_000_000, "reset seed of the first episode (then seed+1, ...)", min=0)
     num_envs: int = option(8, "environments stepped in lockstep, one batched policy call per step", min=1)

@@ -68,7 +68,7 @@ from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.trainer import Trainer
 from vla_rl.buffer import ReplayBuffer
-from vla_rl.evaluate import evaluate_policy, wilson_interval, write_gif
+from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
 from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
 from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, VLAPolicy
@@ -90,7 +90,7 @@ class HABCModelConfig:
 
 @dataclass
 class HABCRolloutConfig:
-    task: str = option("PickPlace", "sim task: Reach, Push or PickPlace (or its id)")
+    task: str = option("PickPlace", TASK_HELP)
     env_steps: int = option(
         1600,
         "env steps per iteration, at least: waves of num_envs episodes run until this many were taken",
@@ -413,11 +413,11 @@ class VLAHABCTrainer(Trainer):
         if cfg.rollout.max_episode_steps:
             kwargs["max_episode_steps"] = cfg.rollout.max_episode_steps
         self.envs = [sim.make(cfg.rollout.task, **kwargs) for _ in range(cfg.rollout.num_envs)]
-        env = self.envs[0].unwrapped
-        if env.proprio_dim != self.policy.config.proprio_dim:
+        proprio_dim = self.envs[0].get_wrapper_attr("proprio_dim")
+        if proprio_dim != self.policy.config.proprio_dim:
             raise ConfigError(
                 f"config error: model.path = {cfg.model.path!r} expects proprio_dim = "
-                f"{self.policy.config.proprio_dim}, task {cfg.rollout.task} gives {env.proprio_dim}: "
+                f"{self.policy.config.proprio_dim}, task {cfg.rollout.task} gives {proprio_dim}: "
                 "use a policy pretrained on a compatible task"
             )
         self.expert = expert_for(cfg.rollout.task)

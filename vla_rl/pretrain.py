@@ -25,7 +25,7 @@ from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer
 from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset, record_episodes
-from vla_rl.evaluate import evaluate_policy
+from vla_rl.evaluate import TASK_HELP, evaluate_policy
 from vla_rl.policy import VLAConfig, VLAPolicy, chunk_nll, random_shift, task_vocabulary
 
 
@@ -46,7 +46,7 @@ class VLAModelConfig:
 
 @dataclass
 class VLADataConfig:
-    task: str = option("PickPlace", "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0)")
+    task: str = option("PickPlace", TASK_HELP)
     path: str | None = option(
         None, "LeRobot dataset to train on; null records expert demonstrations into OUTPUT_DIR/demos"
     )
@@ -79,7 +79,8 @@ class VLAEvalConfig:
 
 
 def checked_task(task: str, key: str) -> str:
-    """The gymnasium id of a sim task named in config `key`, or a ConfigError that says what is wrong."""
+    """The gymnasium id of a sim task (ours or external) named in config `key`, or a ConfigError that
+    says what is wrong (an unknown name, or an external task whose package is not installed)."""
     try:
         import sim
     except ImportError as err:
@@ -183,7 +184,8 @@ class VLABCTrainer(Trainer):
         import sim
 
         env = sim.make(cfg.data.task, obs_mode="state")
-        proprio_dim, state_dim = env.unwrapped.proprio_dim, env.observation_space["state"].shape[0]
+        proprio_dim = env.get_wrapper_attr("proprio_dim")
+        state_dim = env.observation_space["state"].shape[0]
         env.close()
         size = cfg.data.image_size
         try:
