@@ -726,12 +726,13 @@ class BranchGRPOTrainer(Trainer):
         _, inverse = torch.unique(rows, dim=0, return_inverse=True)
         first = torch.full((int(inverse.max()) + 1,), len(chunk), device=x.device)
         first = first.scatter_reduce(0, inverse, torch.arange(len(chunk), device=x.device), "amin")
+        prompts = tree_index[first].tolist()
         v = self.pipe.velocity(
             x[first],
             sigma[first],
-            cond[tree_index[first].tolist()],
+            cond[prompts],
             self.config.rollout.guidance_scale,
-            uncond[tree_index[first].tolist()],
+            uncond[prompts],
             denoiser=denoiser,
         )[inverse]
         is_split = torch.tensor([r.step in split_steps for _, r, _ in chunk])
