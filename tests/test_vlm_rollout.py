@@ -1,16 +1,20 @@
 """Multi-turn tool rollouts, adaptive rewards, and the VLM trainers on a tiny untrained Qwen2-VL."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
+from mmrl.checkpoint import list_checkpoints
 from mmrl.cli import load_plugins, main
+from mmrl.config import load_config
 from mmrl.noise import NoiseKey
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, task_vocabulary, tool_call_text
 from vlm_rl.models import Generation, Segment, VLMAdapter
 from vlm_rl.rewards import adaptive_tool_rewards
 from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, prompt_segment, rollout
+from vlm_rl.sft import load_or_build
 from vlm_rl.tools import ToolStats, first_tool_call
 
 load_plugins()
@@ -221,6 +225,41 @@ def test_sft_then_grpo_train_save_and_resume(vlm, tmp_path):
     assert resumed_rows == straight_rows
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert json.loads((tmp_path / "straight" / "eval.json").read_text())["after"]["auto_accuracy"] >= 0.0
+
+
+def test_vision_pre_stage_trains_the_tower_only_then_sft_can_keep_it(tmp_path):
+    tiny = ["model.hidden=32", "model.layers=1", "model.vision_width=16", "model.vision_depth=1"]
+    common = ["progress=false", "data.heldout_size=4", "train.batch_size=4", "train.warmup_steps=1", *tiny]
+
+    def vision_run(out, steps, *extra):
+        args = ["pretrain", "vlm_vision", f"output_dir={out}", f"steps={steps}", "checkpoint_every=2"]
+        assert main([*args, *common, *extra]) == 0
+        return VLMAdapter.from_pretrained(out / "model").model.state_dict()
+
+    straight = vision_run(tmp_path / "straight", 4)
+    vision_run(tmp_path / "stopped", 4)
+    *_, last = list_checkpoints(tmp_path / "stopped" / "checkpoints")
+    shutil.rmtree(last)  # as if killed after the step-2 checkpoint (the schedule depends on steps)
+    resumed = vision_run(tmp_path / "stopped", 4, "resume=true")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    evals = json.loads((tmp_path / "straight" / "eval.json").read_text())
+    assert 0.0 <= evals["after"]["crop_shape_accuracy"] <= 1.0
+
+    cfg = load_config("pretrain/vlm_vision", ["output_dir=unused", *tiny])
+    fresh = load_or_build(cfg.model, cfg.data, cfg.seed).model.state_dict()
+    changed = {k for k in fresh if not torch.equal(fresh[k], straight[k])}
+    assert changed and all(".visual." in k or k.startswith("visual.") for k in changed)
+
+    sft = tmp_path / "sft"
+    base = tmp_path / "straight" / "model"
+    args = ["pretrain", "vlm", f"output_dir={sft}", "steps=2", f"model.path={base}"]
+    assert main([*args, "train.vision_lr_scale=0", "eval_modes=[never]", *common]) == 0
+    after = VLMAdapter.from_pretrained(sft / "model").model.state_dict()
+    kept = [k for k in after if ".visual." in k or k.startswith("visual.")]
+    assert kept and all(torch.equal(after[k], straight[k]) for k in kept)
+    assert any(not torch.equal(after[k], straight[k]) for k in after if k not in kept)
+    bad = ["pretrain", "vlm_vision", f"output_dir={tmp_path / 'bad'}", f"model.path={base}"]
+    assert main(bad) == 2
 
 
 @pytest.mark.parametrize(

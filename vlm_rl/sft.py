@@ -49,6 +49,9 @@ class SFTTrainConfig:
     tool_fraction: float = option(0.5, "share of demonstrations that zoom first", min=0.0, max=1.0)
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
+    vision_lr_scale: float = option(
+        1.0, "vision tower's lr relative to lr (below 1: keep a pre-trained tower's reading)", min=0.0
+    )
 
 
 @dataclass
@@ -84,6 +87,14 @@ def load_or_build(cfg: VLMModelConfig, data: DataConfig, seed: int) -> VLMAdapte
     return VLMAdapter.tiny(task_vocabulary(data), spec, seed=seed)
 
 
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 @TRAINERS.register("vlm_sft")
 class VLMSFTTrainer(Trainer):
     config_class = VLMSFTConfig
@@ -95,18 +106,19 @@ class VLMSFTTrainer(Trainer):
         self.train_set = QuestionSet(cfg.data, "train")
         heldout = QuestionSet(cfg.data, "heldout")
         self.heldout = [heldout[i] for i in range(len(heldout))]
-        optimizer = torch.optim.AdamW(
-            self.adapter.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
-        )
+        visual = list(self.adapter.model.model.visual.parameters())
+        in_visual = {id(p) for p in visual}
+        rest = [p for p in self.adapter.model.parameters() if id(p) not in in_visual]
+        groups = [
+            {"params": rest, "lr": cfg.train.lr},
+            {"params": visual, "lr": cfg.train.lr * cfg.train.vision_lr_scale},
+        ]
+        optimizer = torch.optim.AdamW(groups, weight_decay=cfg.train.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(self.adapter.model, optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
 
     def lr_factor(self, step: int) -> float:
-        warmup, total = self.config.train.warmup_steps, self.config.steps
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return warmup_cosine(step, self.config.train.warmup_steps, self.config.steps)
 
     def evaluate(self) -> dict[str, float]:
         self.adapter.model.eval()
