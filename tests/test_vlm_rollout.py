@@ -3,19 +3,23 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mmrl.checkpoint import list_checkpoints
 from mmrl.cli import load_plugins, main
 from mmrl.config import load_config
 from mmrl.noise import NoiseKey
-from vlm_rl.data import DataConfig, QuestionSet, demonstration, task_vocabulary, tool_call_text
+from vlm_rl.data import DataConfig, QuestionSet, demonstration, round_box, task_vocabulary, tool_call_text
 from vlm_rl.models import Generation, Segment, VLMAdapter
 from vlm_rl.rewards import adaptive_tool_rewards
 from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, prompt_segment, rollout
 from vlm_rl.sft import load_or_build
-from vlm_rl.tools import ToolStats, first_tool_call
+from vlm_rl.tasks import COLOURS, SHAPES, TaskConfig, make_example
+from vlm_rl.tools import ImageStore, ToolCall, ToolStats, first_tool_call
+from vlm_rl.vision import BACKGROUND, crop_with_labels
 
 load_plugins()
 
@@ -225,6 +229,30 @@ def test_sft_then_grpo_train_save_and_resume(vlm, tmp_path):
     assert resumed_rows == straight_rows
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert json.loads((tmp_path / "straight" / "eval.json").read_text())["after"]["auto_accuracy"] >= 0.0
+
+
+def test_vision_labels_mark_the_tokens_that_show_the_small_object(vlm):
+    """A token labelled with the shape covers the object's pixels; a background token none of them."""
+    task = TaskConfig(detail_fraction=1.0, max_large=1)
+    checked = 0
+    for index in range(40):
+        example = make_example(index, 0, "train", task)
+        target = example.objects[example.target]
+        if any(o.colour == target.colour for i, o in enumerate(example.objects) if i != example.target):
+            continue  # another object of that colour would blur the pixel check
+        image, labels = crop_with_labels(example, vlm)
+        crop = ImageStore(example.image).crop(ToolCall("crop", round_box(example.target_box))).image
+        pixels = np.asarray(crop.resize(image.size, Image.Resampling.NEAREST), dtype=float) / 255
+        on_object = np.abs(pixels - np.array(COLOURS[target.colour])).sum(-1) < 0.1
+        cell = vlm.image_processor.patch_size * vlm.image_processor.merge_size
+        rows, cols = image.size[1] // cell, image.size[0] // cell
+        per_token = on_object.reshape(rows, cell, cols, cell).sum(axis=(1, 3)).flatten()
+        shape = SHAPES.index(target.shape)
+        assert set(labels.tolist()) <= {shape, BACKGROUND, -100} and (labels == shape).any()
+        assert per_token[labels == BACKGROUND].sum() == 0
+        assert per_token[labels == shape].sum() >= 0.7 * per_token.sum() > 0
+        checked += 1
+    assert checked >= 10
 
 
 def test_vision_pre_stage_trains_the_tower_only_then_sft_can_keep_it(tmp_path):

@@ -173,14 +173,6 @@ def tool_call_text(box: Box) -> str:
     return f'<tool_call>{{"name": "crop", "arguments": {{"bbox_2d": [{numbers}]}}}}</tool_call>'
 
 
-def target_crop(image: Image.Image, box: Box) -> Image.Image:
-    """The crop the zoom tool returns for `box` (normalised) of `image`."""
-    observation = ImageStore(image).crop(ToolCall("crop", box))
-    if observation.image is None:
-        raise ValueError(f"the crop of {box} failed: {observation.text}")
-    return observation.image
-
-
 def demonstration(
     adapter: VLMAdapter, question: Question, prompt: Segment, use_tool: bool, image: Image.Image
 ) -> tuple[Segment, list[bool]]:
@@ -194,7 +186,9 @@ def demonstration(
             raise ValueError("a tool demonstration needs the question's target_box")
         box = round_box(question.target_box)
         call = adapter.segment(tool_call_text(box))
-        shown = adapter.observation_token_ids(target_crop(image, box))
+        store = ImageStore(image)
+        observation = store.crop(ToolCall("crop", box))
+        shown = adapter.observation_token_ids(observation.image)
         sequence = sequence + call + shown
         mask += [True] * len(call) + [False] * len(shown)
     answer_text = question.options[OPTION_LETTERS.index(question.answer)]

@@ -14,7 +14,6 @@ The head is thrown away; the whole new VLM (its language model still untrained) 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +23,11 @@ from torch import nn
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer
-from vlm_rl.data import DataConfig, QuestionSet, round_box, target_crop
+from vlm_rl.data import DataConfig, round_box
 from vlm_rl.models import ImageInput, VLMAdapter
 from vlm_rl.sft import VLMModelConfig, load_or_build, warmup_cosine
-from vlm_rl.tasks import OPTION_LETTERS, SHAPES
+from vlm_rl.tasks import SHAPES, TaskConfig, ZoomExample, make_example
+from vlm_rl.tools import ImageStore, ToolCall
 
 
 @dataclass
@@ -46,26 +46,73 @@ class VLMVisionConfig(BaseConfig):
     train: VisionTrainConfig = field(default_factory=VisionTrainConfig)
 
 
-class CropReader(nn.Module):
-    """The VLM's vision tower and a head naming the small object's shape from its output tokens."""
+BACKGROUND = len(SHAPES)  # the label of an output token that does not show the small object
+_IGNORE = -100  # a token that shows only a sliver of it: neither label is right
+_MIN_OVERLAP = 0.2  # a token shows the object when its cell holds this share of the object's box
+
+
+def crop_with_labels(example: ZoomExample, adapter: VLMAdapter) -> tuple[ImageInput, torch.Tensor]:
+    """The crop a demonstration of this detail question shows, and a label per output token of the
+    vision tower: the small object's shape where the token's cell covers enough of the object's box,
+    BACKGROUND where it covers none of it."""
+    observation = ImageStore(example.image).crop(ToolCall("crop", round_box(example.target_box)))
+    if observation.image is None or observation.box is None:
+        raise ValueError(f"the crop of example {example.id} failed: {observation.text}")
+    image = adapter.encode_image(observation.image)
+    left, top, right, bottom = observation.box  # pixels of the original
+    scale_x, scale_y = image.size[0] / (right - left), image.size[1] / (bottom - top)
+    side = example.canvas_size
+    x1, y1, x2, y2 = example.objects[example.target].box
+    x1, x2 = (x1 * side - left) * scale_x, (x2 * side - left) * scale_x  # in the resized crop
+    y1, y2 = (y1 * side - top) * scale_y, (y2 * side - top) * scale_y
+    cell = adapter.image_processor.patch_size * adapter.image_processor.merge_size
+    rows, cols = image.size[1] // cell, image.size[0] // cell
+    if rows * cols != image.num_tokens:
+        raise ValueError(f"{image.num_tokens} image tokens are not a {rows}x{cols} grid of merged patches")
+    # the merger emits one token per merge window, windows in row-major order
+    cx1 = torch.arange(cols) * cell
+    cy1 = torch.arange(rows) * cell
+    overlap_x = (torch.clamp(cx1 + cell, max=x2) - torch.clamp(cx1, min=x1)).clamp(min=0)
+    overlap_y = (torch.clamp(cy1 + cell, max=y2) - torch.clamp(cy1, min=y1)).clamp(min=0)
+    share = overlap_y[:, None] * overlap_x[None, :] / ((x2 - x1) * (y2 - y1))
+    shape = SHAPES.index(example.objects[example.target].shape)
+    labels = torch.full((rows, cols), _IGNORE)
+    labels[share == 0] = BACKGROUND
+    labels[share >= _MIN_OVERLAP] = shape
+    return image, labels.flatten()
+
+
+class TokenReader(nn.Module):
+    """The VLM's vision tower and a head that names, per output token, the shape it shows (or none)."""
 
     def __init__(self, visual: nn.Module, width: int) -> None:
         super().__init__()
         self.visual = visual
-        self.attention = nn.Linear(width, 1)  # which tokens show the object
-        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, len(SHAPES)))
+        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, len(SHAPES) + 1))
 
     def forward(self, images: list[ImageInput]) -> torch.Tensor:
-        device = self.attention.weight.device
+        """Logits per output token of every image, concatenated: [tokens, shapes + 1]."""
+        device = self.head[0].weight.device
         pixels = torch.cat([image.pixel_values for image in images]).to(device)
         grid = torch.stack([image.grid_thw for image in images]).to(device)
         output = self.visual(pixels, grid_thw=grid)
-        tokens = getattr(output, "pooler_output", output)  # transformers 5: the merged tokens
-        pooled = []
-        for feats in tokens.split([image.num_tokens for image in images]):
-            weights = self.attention(feats).softmax(dim=0)
-            pooled.append((weights * feats).sum(dim=0))
-        return self.head(torch.stack(pooled))
+        return self.head(getattr(output, "pooler_output", output))  # transformers 5: the merged tokens
+
+
+def read_shapes(logits: torch.Tensor, images: list[ImageInput]) -> torch.Tensor:
+    """Each image's shape, without knowing where the object is: the shape with the most probability
+    summed over the image's tokens (background tokens put little on any shape)."""
+    per_image = logits.softmax(dim=-1)[:, :BACKGROUND].split([image.num_tokens for image in images])
+    return torch.stack([probs.sum(dim=0).argmax() for probs in per_image])
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with the object's few tokens and the many background ones weighted equally."""
+    losses = []
+    for selected in (labels < BACKGROUND) & (labels >= 0), labels == BACKGROUND:
+        if selected.any():
+            losses.append(nn.functional.cross_entropy(logits[selected], labels[selected]))
+    return torch.stack(losses).sum()
 
 
 @TRAINERS.register("vlm_vision")
@@ -80,54 +127,74 @@ class VLMVisionTrainer(Trainer):
                 "config error: model.path is set, but the vision pre-stage trains the tower of a new tiny "
                 "model; leave model.path unset (null)"
             )
-        # every question a detail question: each asks the shape of the small object in one region
-        data = dataclasses.replace(cfg.data, detail_fraction=1.0)
+        if cfg.data.source != "zoom_task":
+            raise ConfigError(
+                "config error: the vision pre-stage reads the synthetic task's crops; "
+                f"data.source must be 'zoom_task', got {cfg.data.source!r}"
+            )
+        # every question a detail question: each is about the small object in one region
+        self.task = TaskConfig(
+            canvas_size=cfg.data.canvas_size, detail_fraction=1.0, max_large=cfg.data.max_large
+        )
         self.adapter: VLMAdapter = load_or_build(cfg.model, cfg.data, cfg.seed).to(self.accelerator.device)
-        self.train_set = QuestionSet(data, "train")
-        heldout = QuestionSet(data, "heldout")
-        self.heldout = [self.crop_and_label(heldout[i]) for i in range(len(heldout))]
+        self.heldout = [self.example(i, "heldout") for i in range(cfg.data.heldout_size)]
         width = self.adapter.model.config.text_config.hidden_size  # the merger projects to the LM's width
-        reader = CropReader(self.adapter.model.model.visual, width)
+        reader = TokenReader(self.adapter.model.model.visual, width)
         optimizer = torch.optim.AdamW(reader.parameters(), lr=cfg.train.lr)
         self.model, self.optimizer = self.accelerator.prepare(reader, optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: warmup_cosine(step, cfg.train.warmup_steps, cfg.steps)
         )
 
-    def crop_and_label(self, question: Any) -> tuple[ImageInput, int]:
-        crop = target_crop(question.image, round_box(question.target_box))
-        shape = question.options[OPTION_LETTERS.index(question.answer)]
-        return self.adapter.encode_image(crop), SHAPES.index(shape)
+    def example(self, index: int, split: str) -> tuple[ImageInput, torch.Tensor, int]:
+        example = make_example(
+            index % self.config.data.train_size if split == "train" else index,
+            self.config.data.seed,
+            split,
+            self.task,
+        )
+        image, labels = crop_with_labels(example, self.adapter)
+        return image, labels, SHAPES.index(example.objects[example.target].shape)
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()
-        correct = 0
+        shapes_right = tokens_right = object_tokens = 0
         with torch.no_grad():
             for start in range(0, len(self.heldout), 64):
                 chunk = self.heldout[start : start + 64]
-                predicted = self.model([image for image, _ in chunk]).argmax(dim=-1)
-                correct += int((predicted.cpu() == torch.tensor([label for _, label in chunk])).sum())
-        return {"crop_shape_accuracy": correct / len(self.heldout)}
+                images = [image for image, _, _ in chunk]
+                logits = self.model(images).cpu()
+                shapes = torch.tensor([shape for _, _, shape in chunk])
+                shapes_right += int((read_shapes(logits, images) == shapes).sum())
+                labels = torch.cat([labels for _, labels, _ in chunk])
+                on_object = (labels >= 0) & (labels < BACKGROUND)
+                tokens_right += int((logits[on_object].argmax(dim=-1) == labels[on_object]).sum())
+                object_tokens += int(on_object.sum())
+        return {
+            "crop_shape_accuracy": shapes_right / len(self.heldout),
+            "object_token_accuracy": tokens_right / max(object_tokens, 1),
+        }
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         size = cfg.train.batch_size
         first = (step * world + rank) * size  # every process its own questions, disjoint across steps
-        indices = range(first, first + size)
-        batch = [self.crop_and_label(self.train_set[i % len(self.train_set)]) for i in indices]
-        labels = torch.tensor([label for _, label in batch], device=self.accelerator.device)
+        batch = [self.example(i, "train") for i in range(first, first + size)]
+        images = [image for image, _, _ in batch]
+        labels = torch.cat([labels for _, labels, _ in batch]).to(self.accelerator.device)
         self.model.train()
-        logits = self.model([image for image, _ in batch])
-        loss = nn.functional.cross_entropy(logits, labels)
+        logits = self.model(images)
+        loss = token_loss(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
+        shapes = torch.tensor([shape for _, _, shape in batch])
         return {
             "loss": loss.detach(),
-            "accuracy": float((logits.argmax(dim=-1) == labels).float().mean()),
+            "accuracy": float((read_shapes(logits.detach().cpu(), images) == shapes).float().mean()),
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
         }
