@@ -403,3 +403,9 @@ def test_metrics_by_kind_split_accuracy_and_tool_use():
         "tool_ratio_global": 0.0,
     }
     assert metrics_by_kind(trajectories, [True] * 4, [""] * 4) == {}  # data without kinds
+
+
+def test_heldout_questions_can_mix_kinds_unlike_training():
+    cfg = DataConfig(detail_fraction=1.0, heldout_detail_fraction=0.0, train_size=20, heldout_size=20)
+    assert {QuestionSet(cfg, "train")[i].kind for i in range(20)} == {"detail"}
+    assert {QuestionSet(cfg, "heldout")[i].kind for i in range(20)} == {"global"}

@@ -64,6 +64,9 @@ class DataConfig:
         None, "jsonl of held-out questions (default: the synthetic held-out split)"
     )
     detail_fraction: float = option(0.3, "synthetic: share of questions that need a zoom", min=0.0, max=1.0)
+    heldout_detail_fraction: float | None = option(
+        None, "synthetic: that share among held-out questions (null: detail_fraction)", min=0.0, max=1.0
+    )
     canvas_size: int = option(448, "synthetic: image side in pixels", min=32)
     max_large: int = option(
         1, "synthetic: large shapes per image, 1 to 3 (more: questions name them)", min=1, max=3
@@ -72,11 +75,14 @@ class DataConfig:
 
 
 def synthetic_question(index: int, split: str, cfg: DataConfig) -> Question:
+    detail = cfg.detail_fraction
+    if split == "heldout" and cfg.heldout_detail_fraction is not None:
+        detail = cfg.heldout_detail_fraction
     example = make_example(
         index,
         cfg.seed,
         split,
-        TaskConfig(canvas_size=cfg.canvas_size, detail_fraction=cfg.detail_fraction, max_large=cfg.max_large),
+        TaskConfig(canvas_size=cfg.canvas_size, detail_fraction=detail, max_large=cfg.max_large),
     )
     return Question(
         example.question,
