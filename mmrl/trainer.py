@@ -248,6 +248,14 @@ class Trainer:
         path.write_text(json.dumps(results, indent=1))
 
 
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 def warn_config_changes(saved_path: Path, config: BaseConfig) -> None:
     """Resuming with a different config is allowed (e.g. more steps) but should not be silent."""
     import yaml

@@ -12,7 +12,6 @@ so that RL has room to improve it.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
-from mmrl.trainer import Trainer
+from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset, record_episodes
 from vla_rl.evaluate import TASK_HELP, evaluate_policy
 from vla_rl.policy import VLAConfig, VLAPolicy, chunk_nll, random_shift, task_vocabulary
@@ -228,11 +227,7 @@ class VLABCTrainer(Trainer):
         self.data_generator = torch.Generator().manual_seed(cfg.seed)
 
     def lr_factor(self, step: int) -> float:
-        warmup, total = self.config.train.warmup_steps, self.config.steps
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return warmup_cosine(step, self.config.train.warmup_steps, self.config.steps)
 
     def trainer_state(self) -> dict[str, Any]:
         return {"data_generator": self.data_generator.get_state()}

@@ -13,7 +13,6 @@ tokenizer over the task's vocabulary; the result is saved with `save_pretrained`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ import torch
 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
-from mmrl.trainer import Trainer
+from mmrl.trainer import Trainer, warmup_cosine
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, keyed_rng, task_vocabulary
 from vlm_rl.evaluate import evaluate_questions
 from vlm_rl.models import TinyVLMSpec, VLMAdapter
@@ -85,14 +84,6 @@ def load_or_build(cfg: VLMModelConfig, data: DataConfig, seed: int) -> VLMAdapte
         max_pixels=cfg.max_pixels,
     )
     return VLMAdapter.tiny(task_vocabulary(data), spec, seed=seed)
-
-
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 @TRAINERS.register("vlm_sft")

@@ -22,10 +22,10 @@ from torch import nn
 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
-from mmrl.trainer import Trainer
+from mmrl.trainer import Trainer, warmup_cosine
 from vlm_rl.data import DataConfig, round_box
 from vlm_rl.models import ImageInput, VLMAdapter
-from vlm_rl.sft import VLMModelConfig, load_or_build, warmup_cosine
+from vlm_rl.sft import VLMModelConfig, load_or_build
 from vlm_rl.tasks import SHAPES, TaskConfig, ZoomExample, make_example
 from vlm_rl.tools import ImageStore, ToolCall
 
