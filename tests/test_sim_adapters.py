@@ -36,7 +36,9 @@ def test_reacher_with_a_success_function():
     assert info == {"is_success": False, "instruction": "touch the red target", "unstable": False}
     _, reward, terminated, _, info = env.step(env.action_space.sample())
     assert reward == float(info["is_success"]) and "env_reward" in info and not terminated
-    env.unwrapped.data.qpos[2:4] = env.unwrapped.get_body_com("fingertip")[:2]  # move the target onto it
+    # Stop the arm (the sampled action left it moving) and move the target onto its fingertip.
+    env.unwrapped.data.qvel[:] = 0.0
+    env.unwrapped.data.qpos[2:4] = env.unwrapped.get_body_com("fingertip")[:2]
     _, reward, terminated, _, info = env.step(np.zeros(2, np.float32))
     assert info["is_success"] and reward == 1.0 and terminated
     with warnings.catch_warnings():
