@@ -1,5 +1,6 @@
 """Multi-turn tool rollouts, adaptive rewards, and the VLM trainers on a tiny untrained Qwen2-VL."""
 
+import dataclasses
 import json
 import shutil
 
@@ -16,7 +17,7 @@ from vlm_rl.data import DataConfig, QuestionSet, demonstration, round_box, task_
 from vlm_rl.models import Generation, Segment, VLMAdapter
 from vlm_rl.rewards import adaptive_tool_rewards
 from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, prompt_segment, rollout
-from vlm_rl.sft import load_or_build
+from vlm_rl.sft import SFTTrainConfig, load_or_build, zoom_share
 from vlm_rl.tasks import COLOURS, SHAPES, TaskConfig, make_example
 from vlm_rl.tools import ImageStore, ToolCall, ToolStats, first_tool_call
 from vlm_rl.vision import BACKGROUND, crop_with_labels
@@ -409,3 +410,14 @@ def test_heldout_questions_can_mix_kinds_unlike_training():
     cfg = DataConfig(detail_fraction=1.0, heldout_detail_fraction=0.0, train_size=20, heldout_size=20)
     assert {QuestionSet(cfg, "train")[i].kind for i in range(20)} == {"detail"}
     assert {QuestionSet(cfg, "heldout")[i].kind for i in range(20)} == {"global"}
+
+
+def test_demonstrations_can_zoom_by_question_kind():
+    questions = QuestionSet(DataConfig(train_size=40), "train")
+    kinds = [questions[i].kind for i in range(40)]
+    assert {"global", "detail"} <= set(kinds)
+    by_kind = SFTTrainConfig(tool_fraction=1.0, global_tool_fraction=0.0)
+    assert [zoom_share(questions[i], by_kind) for i in range(40)] == [float(k == "detail") for k in kinds]
+    assert {zoom_share(questions[i], SFTTrainConfig(tool_fraction=0.3)) for i in range(40)} == {0.3}
+    unknown = dataclasses.replace(questions[0], kind="")  # a question from a file: tool_fraction
+    assert zoom_share(unknown, by_kind) == 1.0

@@ -2,9 +2,11 @@
 
 Each training question gets a demonstration that either answers directly or first crops the
 question's target box, looks at the crop and then answers. Whether a demonstration zooms is drawn
-per question with probability `train.tool_fraction`, independently of whether the question needs
-it: the base model learns *how* to zoom and to answer from either view, and leaves *when* to zoom to
-rollout-guided RL. Only the assistant's tokens are trained (the crop shown back is masked).
+per question: with probability `train.tool_fraction` on questions that need a zoom (or whose kind is
+unknown) and `train.global_tool_fraction` on questions answerable from the full view. Equal shares
+(the default) teach *how* to zoom and to answer from either view and leave *when* to rollout-guided
+RL; unequal shares also show when a zoom pays. Only the assistant's tokens are trained (the crop shown
+back is masked).
 
 Without `model.path`, a new tiny Qwen2-VL of the real architecture is built with a word-level
 tokenizer over the task's vocabulary; the result is saved with `save_pretrained` to
@@ -21,7 +23,7 @@ import torch
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer, warmup_cosine
-from vlm_rl.data import DataConfig, QuestionSet, demonstration, keyed_rng, task_vocabulary
+from vlm_rl.data import DataConfig, Question, QuestionSet, demonstration, keyed_rng, task_vocabulary
 from vlm_rl.evaluate import evaluate_questions
 from vlm_rl.models import TinyVLMSpec, VLMAdapter
 from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, prompt_segment
@@ -45,7 +47,15 @@ class SFTTrainConfig:
     lr: float = option(2e-3, "AdamW peak learning rate (linear warm-up, cosine decay)", min=0.0)
     warmup_steps: int = option(100, "linear warm-up steps", min=0)
     batch_size: int = option(32, "demonstrations per step on each process", min=1)
-    tool_fraction: float = option(0.5, "share of demonstrations that zoom first", min=0.0, max=1.0)
+    tool_fraction: float = option(
+        0.5,
+        "share of demonstrations that zoom first (on questions needing it or of unknown kind)",
+        min=0.0,
+        max=1.0,
+    )
+    global_tool_fraction: float | None = option(
+        None, "that share on questions answerable without a zoom (null: tool_fraction)", min=0.0, max=1.0
+    )
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
     vision_lr_scale: float = option(
@@ -63,6 +73,13 @@ class VLMSFTConfig(BaseConfig):
     eval_modes: list[str] = option(
         list(TOOL_MODES), "tool modes evaluated before and after", choices=TOOL_MODES
     )
+
+
+def zoom_share(question: Question, train: SFTTrainConfig) -> float:
+    """Probability that this question's demonstration zooms first."""
+    if question.kind == "global" and train.global_tool_fraction is not None:
+        return train.global_tool_fraction
+    return train.tool_fraction
 
 
 def load_or_build(cfg: VLMModelConfig, data: DataConfig, seed: int) -> VLMAdapter:
@@ -123,7 +140,7 @@ class VLMSFTTrainer(Trainer):
         sequences, masks, tools = [], [], 0
         for index in range(first, first + size):
             question = self.train_set[index % len(self.train_set)]
-            use_tool = keyed_rng(cfg.seed, index).random() < cfg.train.tool_fraction
+            use_tool = keyed_rng(cfg.seed, index).random() < zoom_share(question, cfg.train)
             image = question.image
             prompt = prompt_segment(self.adapter, question, cfg.rollout.system_prompt, image)
             sequence, mask = demonstration(self.adapter, question, prompt, use_tool, image)
