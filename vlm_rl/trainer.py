@@ -46,6 +46,8 @@ from vlm_rl.rollout import (
 )
 
 DEFAULT_MODEL = "runs/pretrain/vlm/model"
+VISION_STAGE_MODEL = "runs/pretrain/vlm_vision/model"
+WRITTEN_BY = {DEFAULT_MODEL: "mmrl pretrain vlm", VISION_STAGE_MODEL: "mmrl pretrain vlm_vision"}
 
 
 @dataclass
@@ -96,7 +98,7 @@ def load_policy(path: str) -> VLMAdapter:
     try:
         return VLMAdapter.from_pretrained(path)
     except (FileNotFoundError, ValueError) as err:
-        hint = "; run `mmrl pretrain vlm` first" if path == DEFAULT_MODEL else ""
+        hint = f"; run `{WRITTEN_BY[path]}` first" if path in WRITTEN_BY else ""
         raise ConfigError(f"config error: model.path = {path!r}: {err}{hint}") from None
 
 
