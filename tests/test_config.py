@@ -1,11 +1,14 @@
 """Config loading: YAML + dotted overrides into a trainer's dataclass; one-line errors for mistakes."""
 
+from pathlib import Path
+
 import pytest
 
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, all_keys, load_config
 
 load_plugins()
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def test_recipe_loads_with_overrides():
@@ -102,3 +105,17 @@ def test_all_keys_lists_dotted_keys():
 
     keys = all_keys(TinyGRPOConfig)
     assert "train.lr" in keys and "rollout.branch_factor" in keys and "seed" in keys
+
+
+RECIPES = sorted(
+    str(path.relative_to(CONFIGS).with_suffix(""))
+    for path in CONFIGS.rglob("*.yaml")
+    if path.parts[len(CONFIGS.parts)] != "accelerate"
+)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_loads_into_its_trainers_config(recipe):
+    """A typo in a recipe's key or value fails here, not an hour into a chain of runs."""
+    cfg = load_config(recipe, ["output_dir=unused"])
+    assert cfg.trainer and cfg.steps > 0

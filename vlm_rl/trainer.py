@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -46,8 +47,6 @@ from vlm_rl.rollout import (
 )
 
 DEFAULT_MODEL = "runs/pretrain/vlm/model"
-VISION_STAGE_MODEL = "runs/pretrain/vlm_vision/model"
-WRITTEN_BY = {DEFAULT_MODEL: "mmrl pretrain vlm", VISION_STAGE_MODEL: "mmrl pretrain vlm_vision"}
 
 
 @dataclass
@@ -98,7 +97,9 @@ def load_policy(path: str) -> VLMAdapter:
     try:
         return VLMAdapter.from_pretrained(path)
     except (FileNotFoundError, ValueError) as err:
-        hint = f"; run `{WRITTEN_BY[path]}` first" if path in WRITTEN_BY else ""
+        parts = Path(path).parts  # the recipes' own outputs: runs/pretrain/NAME/model
+        is_recipe_output = len(parts) == 4 and parts[:2] == ("runs", "pretrain") and parts[3] == "model"
+        hint = f"; run `mmrl pretrain {parts[2]}` first" if is_recipe_output else ""
         raise ConfigError(f"config error: model.path = {path!r}: {err}{hint}") from None
 
 
