@@ -9,6 +9,12 @@ from mmrl.config import ConfigError, all_keys, load_config
 
 load_plugins()
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+RECIPES = sorted(
+    str(path.relative_to(CONFIGS).with_suffix(""))
+    for path in CONFIGS.rglob("*.yaml")
+    if path.parts[len(CONFIGS.parts)] != "accelerate"  # launch configs are not recipes
+)
+NEEDS_EXTRA = {"pretrain/vla_fetch_reach": "gymnasium_robotics"}  # recipe -> module of its optional extra
 
 
 def test_recipe_loads_with_overrides():
@@ -105,16 +111,6 @@ def test_all_keys_lists_dotted_keys():
 
     keys = all_keys(TinyGRPOConfig)
     assert "train.lr" in keys and "rollout.branch_factor" in keys and "seed" in keys
-
-
-RECIPES = sorted(
-    str(path.relative_to(CONFIGS).with_suffix(""))
-    for path in CONFIGS.rglob("*.yaml")
-    if path.parts[len(CONFIGS.parts)] != "accelerate"
-)
-
-
-NEEDS_EXTRA = {"pretrain/vla_fetch_reach": "gymnasium_robotics"}  # recipe -> module of its optional extra
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
