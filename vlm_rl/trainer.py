@@ -292,6 +292,6 @@ class ToolGRPOTrainer(Trainer):
             if self.is_main:
                 self.adapter.save_pretrained(self.run_dir / "model")
             return result
-        finally:
-            if self.engine is not None:
+        finally:  # setup may have failed before the engine existed
+            if getattr(self, "engine", None) is not None:
                 self.engine.close()
