@@ -181,6 +181,22 @@ def test_bench_vlm_times_the_vllm_backend(checkpoint):
     assert "vLLM multi-turn engine" in done.stdout and "vLLM / batched transformers:" in done.stdout
 
 
+@needs_vllm
+def test_a_model_vllm_cannot_run_on_cpu_is_a_clear_error(tmp_path):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head-size limit is vLLM's CPU attention's")
+    VLMAdapter.tiny(task_vocabulary(DATA, samples=50)).save_pretrained(tmp_path / "model")  # heads of 16
+    args = ["train", "vlm/tool_grpo", f"output_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}"]
+    args += ["rollout.backend=vllm", "data.heldout_size=4", "data.train_size=32"]
+    # its own process: a run's end destroys the process group this module's engine made
+    done = subprocess.run(
+        [sys.executable, "-m", "mmrl.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 2 and "attention head size 16 is not one of" in done.stderr
+
+
 @pytest.mark.skipif(vllm_available(), reason="checks the message a user without vLLM gets")
 def test_vllm_backend_without_vllm_is_a_clear_error(checkpoint, tmp_path, capsys):
     args = [

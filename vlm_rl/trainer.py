@@ -125,13 +125,16 @@ class ToolGRPOTrainer(Trainer):
         if cfg.rollout.backend == "vllm":
             if not vllm_available():
                 raise ConfigError(f"config error: rollout.backend = 'vllm': {INSTALL_HINT}")
-            self.engine = VLLMTurnGenerator(
-                cfg.model.path,
-                self.adapter,
-                max_model_len=cfg.rollout.max_tokens,
-                max_images=cfg.rollout.max_images,
-                kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-            )
+            try:
+                self.engine = VLLMTurnGenerator(
+                    cfg.model.path,
+                    self.adapter,
+                    max_model_len=cfg.rollout.max_tokens,
+                    max_images=cfg.rollout.max_images,
+                    kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+                )
+            except ValueError as err:  # a model this vLLM build cannot run
+                raise ConfigError(f"config error: rollout.backend = 'vllm': {err}") from None
         self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_set), seed=cfg.seed)
         self.reference = None
         if cfg.train.kl_coef > 0:
