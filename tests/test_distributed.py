@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,10 +40,22 @@ def test_two_process_ddp_run(tmp_path):
         "steps=3",
         "progress=false",
     ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    # its own session, so that a hang is ended with every rank (killing the launcher leaves them running)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        raise AssertionError(f"the two-process run did not finish in 300 s: {stderr[-3000:]}") from None
+    assert proc.returncode == 0, stderr[-3000:]
     digests = json.loads((tmp_path / "replicas.json").read_text())["param_sha256_by_rank"]
     assert len(digests) == 2 and digests[0] == digests[1]
     ranks = [
