@@ -76,6 +76,13 @@ def policy_log_probs(
     ]
 
 
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    """`mmrl ARGS` in a process of its own: vLLM allows one engine per process (this module's fixture
+    holds one), and a run's end destroys the process group that engine made."""
+    command = [sys.executable, "-m", "mmrl.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
 @needs_vllm
 def test_sampled_turns_carry_the_policys_log_probs(policy_and_engine, zoomed_conversations):
     policy, engine = policy_and_engine
@@ -159,10 +166,7 @@ def test_tool_grpo_trains_with_vllm_rollouts(checkpoint, tmp_path):
         "eval_modes=[auto,never]",
         "progress=false",
     ]
-    # its own process: the trainer builds its own engine, and vLLM allows one per process
-    done = subprocess.run(
-        [sys.executable, "-m", "mmrl.cli", *args], capture_output=True, text=True, timeout=600
-    )
+    done = run_cli(args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr  # the engine shuts down cleanly at the end of the run
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -175,8 +179,7 @@ def test_tool_grpo_trains_with_vllm_rollouts(checkpoint, tmp_path):
 
 @needs_vllm
 def test_bench_vlm_times_the_vllm_backend(checkpoint):
-    command = [sys.executable, "-m", "mmrl.cli", "bench", "vlm", "rollouts=8", f"model={checkpoint}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = run_cli(["bench", "vlm", "rollouts=8", f"model={checkpoint}"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "vLLM multi-turn engine" in done.stdout and "vLLM / batched transformers:" in done.stdout
 
@@ -190,10 +193,7 @@ def test_a_model_vllm_cannot_run_on_cpu_is_a_clear_error(tmp_path):
     VLMAdapter.tiny(task_vocabulary(DATA, samples=50)).save_pretrained(tmp_path / "model")  # heads of 16
     args = ["train", "vlm/tool_grpo", f"output_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}"]
     args += ["rollout.backend=vllm", "data.heldout_size=4", "data.train_size=32"]
-    # its own process: a run's end destroys the process group this module's engine made
-    done = subprocess.run(
-        [sys.executable, "-m", "mmrl.cli", *args], capture_output=True, text=True, timeout=600
-    )
+    done = run_cli(args)
     assert done.returncode == 2 and "attention head size 16 is not one of" in done.stderr
 
 
