@@ -7,6 +7,7 @@ a traceback means a bug in mmrl.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from importlib.metadata import entry_points
@@ -122,13 +123,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     config = load_config(args.config, overrides)
     trainer = TRAINERS.get(config.trainer)(config)
+    accelerator, is_main = trainer.accelerator, trainer.is_main
     try:
         result = trainer.train()
     finally:
-        # tear the process group down before the interpreter exits: gloo threads still running at
-        # exit can abort a rank ("terminate called without an active exception") after a good run
-        trainer.accelerator.end_training()
-    if trainer.is_main:
+        # Tear the process group down before the interpreter exits: gloo threads still running at exit
+        # can abort a rank ("terminate called without an active exception") after a good run. The DDP
+        # wrapper's reducer holds the group, so free the trainer first: otherwise the group outlives
+        # end_training, dies when the trainer is collected after the other rank may have exited, and
+        # its destructor waits forever for gloo threads (seen as a hang under CPU load).
+        del trainer
+        accelerator.free_memory()
+        gc.collect()
+        accelerator.end_training()
+    if is_main:
         print(json.dumps(result))
     return 0
 
