@@ -2,11 +2,12 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,20 +41,17 @@ def test_two_process_ddp_run(tmp_path):
         "steps=3",
         "progress=false",
     ]
-    # its own session, so that a hang is ended with every rank (killing the launcher leaves them running)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
+        # the ranks run in sessions of their own and hold the output pipes: kill the launcher and every
+        # process below it (found before the launcher dies), or a hung rank outlives the test and blocks it
+        launcher = psutil.Process(proc.pid)
+        for process in [*launcher.children(recursive=True), launcher]:
+            process.kill()
+        _, stderr = proc.communicate(timeout=30)
         raise AssertionError(f"the two-process run did not finish in 300 s: {stderr[-3000:]}") from None
     assert proc.returncode == 0, stderr[-3000:]
     digests = json.loads((tmp_path / "replicas.json").read_text())["param_sha256_by_rank"]
