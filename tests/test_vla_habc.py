@@ -313,7 +313,10 @@ def test_recipes_share_the_budget(recipe):
         reference.rollout.task,
     )
     assert (config.eval.episodes, config.eval.seed) == (reference.eval.episodes, reference.eval.seed)
-    assert (config.train.updates, config.train.batch_size) == (
-        reference.train.updates,
-        reference.train.batch_size,
-    )
+    assert config.train.batch_size == reference.train.batch_size
+    if recipe == "grpo":
+        # GRPO's updates are PPO epochs over one iteration's episodes, not draws from the replay buffer:
+        # more of them push the ratios out of the clip range (docs/results.md), so it takes fewer
+        assert config.train.updates <= reference.train.updates
+    else:
+        assert config.train.updates == reference.train.updates
