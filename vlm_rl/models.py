@@ -32,6 +32,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -151,7 +152,17 @@ class ImageInput:
     grid_thw: torch.Tensor  # [3]: patches in time, height and width
     num_tokens: int  # placeholder tokens it takes in the text
     size: tuple[int, int]  # (width, height) after the processor's resize
-    image: Image.Image  # the picture before that resize (another engine, e.g. vLLM, gets it again)
+    image: Image.Image  # the picture before that resize
+
+    @cached_property
+    def seen(self) -> Image.Image:
+        """The picture at `size`, for another engine (vLLM) to process again; resized once per image,
+        not at every turn that resends the conversation."""
+        return (
+            self.image
+            if self.image.size == self.size
+            else self.image.resize(self.size, Image.Resampling.BICUBIC)
+        )
 
 
 @dataclass

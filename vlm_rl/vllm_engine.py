@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from transformers.core_model_loading import revert_weight_conversion
 
 from mmrl.noise import NoiseKey
@@ -129,12 +128,7 @@ class VLLMTurnGenerator:
         for token in sequence.token_ids:
             if token != image_token or not ids or ids[-1] != image_token:
                 ids.append(token)
-        images = [
-            image.image.resize(image.size, Image.Resampling.BICUBIC)
-            if image.image.size != image.size
-            else image.image
-            for image in sequence.images
-        ]
+        images = [image.seen for image in sequence.images]
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
