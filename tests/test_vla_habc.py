@@ -16,12 +16,14 @@ import sim  # noqa: E402, F401  (selects headless EGL before mujoco loads)
 from mmrl.config import ConfigError, load_config  # noqa: E402
 from sim.render import headless_rendering_error  # noqa: E402
 from vla_rl.buffer import ReplayBuffer  # noqa: E402
-from vla_rl.dataset import IMAGE_KEY, STATE_KEY  # noqa: E402
+from vla_rl.dataset import IMAGE_KEY, STATE_KEY, RobotDataset, record_episodes  # noqa: E402
 from vla_rl.habc import (  # noqa: E402
     VLAHABCTrainer,
     advantage_weights,
+    chunk_advantage,
     efficiency_rewards,
     episodes_to,
+    executed_chunks,
     gate,
     habc_advantages,
     head_rows,
@@ -163,6 +165,26 @@ def test_intervention_aware_credit_reaches_only_policy_segments():
     assert relabelled.sum(1).tolist() == [4, 2, 2, 3]
 
 
+def test_a_chunk_is_credited_with_the_discounted_advantages_of_its_executed_steps():
+    tr = Transitions.from_buffer(*toy_buffer())
+    decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, horizon=4)
+    assert decisions.tolist() == [0, 3, 4, 6, 9]  # never an expert step
+    # ep0's first chunk runs 3 steps, its second is cut after 1 by the take-over; the segment after the
+    # take-over and the other episodes end their chunks early
+    assert [rows[d][executed[d]].tolist() for d in range(5)] == [[0, 1, 2], [3], [4, 5], [6, 7, 8], [9, 10]]
+    g = 0.5
+    a = chunk_advantage(torch.arange(len(tr), dtype=torch.float32), rows, executed, gamma=g)
+    torch.testing.assert_close(
+        a, torch.tensor([g + 2 * g**2, 3, 4 + 5 * g, 6 + 7 * g + 8 * g**2, 9 + 10 * g])
+    )
+    # with consistent values the one-step terms telescope to the chunk's n-step TD error
+    v = torch.rand(len(tr) + 1)
+    r = torch.rand(len(tr))
+    step = r + g * v[1:] - v[:-1]
+    n_step = r[6] + g * r[7] + g**2 * r[8] + g**3 * v[9] - v[6]
+    torch.testing.assert_close(chunk_advantage(step, rows, executed, gamma=g)[3], n_step)
+
+
 def test_success_curve_and_episodes_to_80(tmp_path):
     (tmp_path / "eval.json").write_text(
         json.dumps({"before": {"success_rate": 0.4}, "after": {"success_rate": 0.9}})
@@ -220,6 +242,51 @@ def test_each_baseline_runs_end_to_end(tmp_path, tiny_policy_dir, method):
     assert len(gifs) == 2 and all(g.startswith("seed1000000") or g.startswith("seed1000001") for g in gifs)
     summary = json.loads((tmp_path / "rollouts.json").read_text())
     assert summary["episodes"] == rows[-1]["episodes"] and "episodes_to_80" in summary
+
+
+@pytest.fixture(scope="module")
+def reach_demos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demos") / "reach"
+    record_episodes("Reach", None, 2, 0, root, obs_mode="state+rgb", image_size=SIZE)
+    return root
+
+
+def demo_nll(policy, root):
+    data = RobotDataset(root, action_horizon=policy.config.horizon)
+    items = [data[i] for i in range(len(data))]
+    obs = {"image": np.stack([i[IMAGE_KEY].permute(1, 2, 0).numpy() for i in items]),
+           "state": np.stack([i[STATE_KEY].numpy() for i in items])}  # fmt: skip
+    batch = policy.prepare(obs, [i["task"] for i in items])
+    with torch.no_grad():
+        logp = policy.log_prob(batch, torch.stack([i["action_chunk"] for i in items]).float(),
+                               torch.stack([i["action_chunk_mask"] for i in items]))  # fmt: skip
+    return -float(logp.mean())
+
+
+@needs_rendering
+def test_per_chunk_habc_with_demonstrations_mixed_in(tmp_path, tiny_policy_dir, reach_demos):
+    before = demo_nll(VLAPolicy.from_pretrained(tiny_policy_dir), reach_demos)
+    trainer, _ = run(
+        tmp_path, tiny_policy_dir, "actor.per_chunk=true", f"train.demos={reach_demos}",
+        "train.demo_fraction=1.0", "train.updates=20", "train.lr=1e-3",
+    )  # fmt: skip
+    rows = metrics(tmp_path)
+    assert rows[-1]["actor_updates"] == 20 and math.isfinite(rows[-1]["weight_mean"])
+    # every sample came from the demonstrations, so their likelihood rose
+    assert demo_nll(trainer.policy, reach_demos) < before - 1.0
+
+
+@needs_rendering
+def test_demonstrations_that_do_not_fit_the_policy_are_named(tmp_path, tiny_policy_dir):
+    root = tmp_path / "demos16"
+    record_episodes("Reach", None, 1, 0, root, obs_mode="state+rgb", image_size=16)
+    with pytest.raises(
+        ConfigError,
+        match=r"train.demos = .*demos16.* does not fit .*Reach.*image.* has shape \[16, 16, 3\]",
+    ):
+        run(tmp_path / "run", tiny_policy_dir, f"train.demos={root}")
+    with pytest.raises(ConfigError, match=r"train.demos = .*nowhere.* is not a LeRobot dataset"):
+        run(tmp_path / "run2", tiny_policy_dir, f"train.demos={tmp_path / 'nowhere'}")
 
 
 @needs_rendering

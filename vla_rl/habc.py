@@ -68,11 +68,12 @@ from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.trainer import Trainer
 from vla_rl.buffer import ReplayBuffer
+from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset
 from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
 from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
 from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, VLAPolicy
-from vla_rl.pretrain import checked_task
+from vla_rl.pretrain import checked_task, frame_tensors
 
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
 
@@ -139,6 +140,11 @@ class HABCActorConfig:
     beta: float = option(5.0, "weights min(exp(beta * A), w_max) (habc and awr)", min=1e-6)
     w_max: float = option(20.0, "largest advantage weight", min=1e-6)
     normalize: bool = option(False, "standardise the advantages over the transitions before weighting")
+    per_chunk: bool = option(
+        False,
+        "weight each sampled chunk as one decision: habc sums its executed steps' one-step advantages "
+        "(discounted), awr uses the advantage at the chunk's first state; false weights each step alone",
+    )
 
 
 @dataclass
@@ -167,6 +173,12 @@ class HABCTrainConfig:
     )
     failure_capacity: int = option(
         1, "transitions of whole failed episodes kept (no method trains on them)", min=1
+    )
+    demos: str | None = option(
+        None, "LeRobot dataset of demonstrations (e.g. the base's OUTPUT_DIR/demos) mixed into actor batches"
+    )
+    demo_fraction: float = option(
+        0.5, "share of each actor batch drawn from train.demos (weight 1, like pretraining)", min=0.0, max=1.0
     )
 
 
@@ -269,6 +281,25 @@ def habc_advantages(
 def advantage_weights(advantages: Tensor, beta: float, w_max: float, normalize: bool = False) -> Tensor:
     """min(exp(beta A), w_max) through the shared `awr` estimator (whose temperature divides A)."""
     return ADVANTAGES.get("awr")(advantages, beta=1.0 / beta, max_weight=w_max, normalize=normalize).values
+
+
+def executed_chunks(chunk_step: Tensor, seg_left: Tensor, horizon: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The policy's decisions as rows of the flat transitions: `decisions` (D,) where a chunk was
+    sampled, `rows` (D, horizon) the rows of the steps executed from it (clamped), and `executed`
+    (D, horizon) which of those positions were executed from that chunk."""
+    decisions = torch.nonzero(chunk_step == 0).flatten()
+    offsets = torch.arange(horizon)
+    rows = (decisions[:, None] + offsets).clamp(max=len(chunk_step) - 1)
+    executed = (offsets < seg_left[decisions, None]) & (chunk_step[rows] == offsets)
+    return decisions, rows, executed
+
+
+def chunk_advantage(step_advantage: Tensor, rows: Tensor, executed: Tensor, gamma: float) -> Tensor:
+    """A decision's one-step advantage in the semi-MDP whose actions are chunks: the discounted sum of
+    the one-step advantages of the k steps executed from it, sum_i gamma^i A(t+i) (the TD terms
+    telescope to r_t + ... + gamma^k V(s_{t+k}) - V(s_t))."""
+    discount = gamma ** torch.arange(rows.shape[1], dtype=step_advantage.dtype)
+    return (step_advantage[rows] * discount * executed).sum(1)
 
 
 def viability_rewards(tr: Transitions) -> tuple[Tensor, Tensor]:
@@ -433,8 +464,37 @@ class VLAHABCTrainer(Trainer):
             "failure": cfg.train.failure_capacity,
         }
         self.buffer = ReplayBuffer(capacity)
+        self.demo_frames = self.load_demos() if cfg.train.demos else None
         self.episode_length: dict[int, int] = {}
         self.counters = {"env_steps": 0, "episodes": 0, "interventions": 0, "successes": 0}
+
+    def load_demos(self) -> dict[str, Tensor]:
+        """Every frame of `train.demos` as training tensors, after checking it fits the policy and task."""
+        cfg, path = self.config, self.config.train.demos
+        if not (Path(path) / "meta" / "info.json").is_file():
+            raise ConfigError(
+                f"config error: train.demos = {path!r} is not a LeRobot dataset (no meta/info.json): "
+                "point it at demonstrations, e.g. the base's OUTPUT_DIR/demos, or set train.demos=null"
+            )
+        dataset = RobotDataset(path)
+        env, size = self.envs[0], self.policy.config.image_size
+        try:
+            dataset.check_features(
+                {
+                    IMAGE_KEY: (size, size, 3),
+                    STATE_KEY: env.observation_space["state"].shape,
+                    ACTION_KEY: env.action_space.shape,
+                }
+            )
+        except ValueError as err:
+            raise ConfigError(
+                f"config error: train.demos = {path!r} does not fit task {cfg.rollout.task}: {err}"
+            ) from None
+        return frame_tensors(dataset, self.policy)
+
+    @property
+    def horizon(self) -> int:
+        return self.policy.config.horizon
 
     # ----- state that survives a restart -------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -618,17 +678,28 @@ class VLAHABCTrainer(Trainer):
         policy = ~tr.intervention
         weights = torch.full((len(tr),), h.intervention_weight)
         stats: dict[str, Any] = {}
-        if policy.any():
-            w = advantage_weights(out["advantage"][policy], a.beta, a.w_max, a.normalize)
+        if not policy.any():
+            return weights, tr.actor_rows, stats
+        if a.per_chunk:  # A = (1 - g(s_t)) A_v + g(s_t) A_e over each decision's executed steps
+            decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, self.horizon)
+            a_v = chunk_advantage(out["a_v"], rows, executed, c.gamma_v)
+            a_e = chunk_advantage(out["a_e"], rows, executed, c.gamma_e)
+            g = out["gate"][decisions]
+            advantage = (1 - g) * a_v + g * a_e
+            w = advantage_weights(advantage, a.beta, a.w_max, a.normalize)
+            weights[rows[executed]] = w[:, None].expand_as(rows)[executed]
+        else:
+            a_v, a_e, g, advantage = (out[k][policy] for k in ("a_v", "a_e", "gate", "advantage"))
+            w = advantage_weights(advantage, a.beta, a.w_max, a.normalize)
             weights[policy] = w
-            stats = {
-                "gate_mean": float(out["gate"][policy].mean()),
-                "viability_mean": float(torch.sigmoid(logit)[policy].mean()),
-                "adv_v_mean": float(out["a_v"][policy].mean()),
-                "adv_e_mean": float(out["a_e"][policy].mean()),
-                "adv_std": float(out["advantage"][policy].std(unbiased=False)),
-                **self.weight_stats(w),
-            }
+        stats = {
+            "gate_mean": float(g.mean()),
+            "viability_mean": float(torch.sigmoid(logit)[policy].mean()),
+            "adv_v_mean": float(a_v.mean()),
+            "adv_e_mean": float(a_e.mean()),
+            "adv_std": float(advantage.std(unbiased=False)),
+            **self.weight_stats(w),
+        }
         return weights, tr.actor_rows, stats
 
     def awr_weights(self, tr: Transitions) -> tuple[Tensor, Tensor, dict[str, Any]]:
@@ -636,12 +707,12 @@ class VLAHABCTrainer(Trainer):
         a, c = self.config.actor, self.config.critic
         with torch.no_grad():
             value = torch.sigmoid(self.critics(tr.state)[0])
-        returns = tr.success.float() * c.gamma_v ** (tr.steps_left - 1).float()
-        w = advantage_weights(returns - value, a.beta, a.w_max, a.normalize)
-        stats = {
-            "viability_mean": float(value.mean()),
-            "adv_std": float((returns - value).std(unbiased=False)),
-        }
+        advantage = tr.success.float() * c.gamma_v ** (tr.steps_left - 1).float() - value
+        w = advantage_weights(advantage, a.beta, a.w_max, a.normalize)
+        if a.per_chunk:  # every step executed from a chunk takes the weight of the chunk's first state
+            decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, self.horizon)
+            w[rows[executed]] = w[decisions][:, None].expand_as(rows)[executed]
+        stats = {"viability_mean": float(value.mean()), "adv_std": float(advantage.std(unbiased=False))}
         return w, tr.actor_rows, stats | self.weight_stats(w)
 
     def weight_stats(self, w: Tensor) -> dict[str, float]:
@@ -672,25 +743,36 @@ class VLAHABCTrainer(Trainer):
     def update_actor(
         self, tr: Transitions, rows: Tensor, weights: Tensor, generator: torch.Generator, relabel: bool
     ) -> dict[str, Any]:
-        """Weighted chunk regression on minibatches drawn uniformly from `rows`."""
+        """Weighted chunk regression on minibatches drawn uniformly from `rows`, with a `demo_fraction`
+        share of each batch drawn from the demonstrations (weight 1) when `train.demos` is set."""
         cfg = self.config.train
         horizon = self.policy.config.horizon
+        n_demo = round(cfg.batch_size * cfg.demo_fraction) if self.demo_frames is not None else 0
+        n_online = cfg.batch_size - n_demo if len(rows) else 0
+        device = self.accelerator.device
         results: list[dict[str, float]] = []
         skipped = 0
-        for _ in range(cfg.updates if len(rows) else 0):
-            pick = rows[torch.randint(len(rows), (cfg.batch_size,), generator=generator)]
-            chunk, mask = tr.chunk_rows(pick, horizon, executed=not relabel)
-            if relabel:
-                targets = torch.from_numpy(
-                    self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
-                )
-                actions = targets.reshape(*chunk.shape, -1).float()
-            else:
-                actions = tr.action[chunk]
+        for _ in range(cfg.updates if n_online + n_demo else 0):
+            parts = []  # (inputs, target actions, mask, weight), each (B, horizon, ...)
+            if n_online:
+                pick = rows[torch.randint(len(rows), (n_online,), generator=generator)]
+                chunk, mask = tr.chunk_rows(pick, horizon, executed=not relabel)
+                if relabel:
+                    targets = self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
+                    actions = torch.from_numpy(targets).reshape(*chunk.shape, -1).float()
+                else:
+                    actions = tr.action[chunk]
+                parts.append((tr.policy_inputs(self.policy, pick), actions, mask, weights[chunk]))
+            if n_demo:
+                demo = torch.randint(len(self.demo_frames["actions"]), (n_demo,), generator=generator)
+                frames = {k: v[demo] for k, v in self.demo_frames.items()}
+                inputs = {k: frames[k].to(device) for k in ("image", "proprio", "tokens")}
+                parts.append((inputs, frames["actions"], frames["mask"], torch.ones(n_demo, horizon)))
+            inputs = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+            actions, mask, weight = (torch.cat([p[i] for p in parts]).to(device) for i in (1, 2, 3))
             self.model.train()
-            dist = self.model(tr.policy_inputs(self.policy, pick))
-            logp = dist.log_prob(actions.to(self.accelerator.device)).sum(-1)  # (B, horizon)
-            loss = aggregate_loss(-weights[chunk].to(logp.device) * logp, mask.to(logp.device), "token_mean")
+            logp = self.model(inputs).log_prob(actions).sum(-1)  # (B, horizon)
+            loss = aggregate_loss(-weight * logp, mask, "token_mean")
             out = self.actor_step(loss)
             if out is None:
                 skipped += 1
