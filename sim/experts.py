@@ -41,7 +41,16 @@ class Expert:
         state = np.asarray(state, dtype=np.float64)
         if state.ndim == 2:
             return np.stack([self(s) for s in state])
-        return self.act_on({name: state[part] for name, part in self.layout.items()})
+        return self.act_on(self.parts(state))
+
+    def parts(self, state: np.ndarray) -> dict[str, np.ndarray]:
+        """The named entries (ee_pos, cube_pos, ...) of one state vector."""
+        return {name: np.asarray(state, dtype=np.float64)[part] for name, part in self.layout.items()}
+
+    def release_fails(self, state: np.ndarray) -> bool:
+        """Whether opening the gripper now would lose the episode (drop a held object away from its
+        goal); the supervisor's release guard asks. Tasks that carry nothing: never."""
+        return False
 
     def act(self, env: gym.Env) -> np.ndarray:
         """Action for the env's current state, whatever its obs_mode."""
@@ -90,12 +99,23 @@ class PickPlaceExpert(Expert):
     above_z = 0.1  # pre-grasp height of the end-effector
     carry_z = 0.12  # carry height: the cube's bottom clears other cubes
 
+    @staticmethod
+    def held(s: dict[str, np.ndarray]) -> bool:
+        """The cube sits between the closed fingers."""
+        ee, cube = s["ee_pos"], s["cube_pos"]
+        near = np.linalg.norm(ee[:2] - cube[:2]) < 0.02 and abs(ee[2] - cube[2]) < 0.02
+        return bool(near and float(s["gripper"][0]) < CUBE_HALF + 0.002)
+
+    def release_fails(self, state: np.ndarray) -> bool:
+        s = self.parts(state)
+        away = np.linalg.norm(s["cube_pos"][:2] - s["goal_pos"][:2]) > PickPlaceEnv.success_dist
+        return self.held(s) and bool(away)
+
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
         ee, cube, pad = s["ee_pos"], s["cube_pos"], s["goal_pos"]
         opening = float(s["gripper"][0])
         off_xy = np.linalg.norm(ee[:2] - cube[:2])
-        held = off_xy < 0.02 and abs(ee[2] - cube[2]) < 0.02 and opening < CUBE_HALF + 0.002
-        if held:
+        if self.held(s):
             return self._carry(ee, cube, pad)
         if np.linalg.norm(cube[:2] - pad[:2]) < 0.02 and cube[2] < CUBE_HALF + 0.005:  # placed: retreat
             return move(ee, np.append(ee[:2], self.above_z), OPEN)

@@ -50,6 +50,28 @@ def test_expert_is_a_function_of_the_state():
     assert batch.shape == (3, 5) and np.array_equal(batch[1], single)
 
 
+def test_release_fails_while_the_cube_is_carried_away_from_the_pad():
+    env = sim.make("PickPlace")
+    expert = expert_for(env)
+    env.reset(seed=2)
+    fails, commands = [], []
+    for _ in range(100):
+        state = env.get_wrapper_attr("get_state")()
+        fails.append(expert.release_fails(state))
+        action = expert(state)
+        commands.append(action[-1])
+        *_, terminated, truncated, info = env.step(action)
+        if terminated or truncated:
+            break
+    assert info["is_success"]
+    fails, commands = np.array(fails), np.array(commands)
+    # false before the grasp and once the cube is over the pad; true through the carry in between
+    assert not fails[0] and not fails[-1] and fails.sum() >= 5
+    carry = np.flatnonzero(fails)
+    assert np.all(np.diff(carry) == 1), "one carry phase"
+    assert np.all(commands[fails] > 0), "the expert itself never opens where a release fails"
+
+
 def test_cube_yaw_folds_to_a_quarter_turn():
     for yaw in (0.3, 0.3 + np.pi / 2, 0.3 - np.pi, -0.7):
         quat = np.array([np.cos(yaw / 2), 0, 0, np.sin(yaw / 2)])

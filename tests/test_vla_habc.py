@@ -217,6 +217,18 @@ def test_supervisor_takes_over_when_the_policy_strays_and_hands_back():
     assert not off.after_policy_step(0, 5, np.ones(5), expert)
 
 
+def test_release_guard_takes_over_before_a_drop():
+    opens, closes = np.array([0, 0, 0, 0, -0.5]), np.array([0, 0, 0, 0, 1.0])
+    sup = Supervisor(1, True, 8, 10.0, takeover_steps=2, deadline=0, max_per_episode=1, release_guard=True)
+    assert not sup.vetoes(0, closes, release_fails=True)  # keeps holding
+    assert not sup.vetoes(0, opens, release_fails=False)  # a release that does not lose the episode
+    assert sup.vetoes(0, opens, release_fails=True) and sup.expert_drives(0)
+    assert not sup.after_expert_step(0) and sup.after_expert_step(0)
+    assert not sup.vetoes(0, opens, release_fails=True)  # max_per_episode reached
+    unguarded = Supervisor(1, True, 8, 10.0, takeover_steps=2, deadline=0, max_per_episode=1)
+    assert not unguarded.vetoes(0, opens, release_fails=True)
+
+
 # ----- end to end ------------------------------------------------------------------------------
 
 

@@ -120,6 +120,11 @@ class HABCInterventionConfig:
         0, "steps after which, still without success, the expert takes over once (0: never)", min=0
     )
     max_per_episode: int = option(4, "take-overs per episode at most", min=0)
+    release_guard: bool = option(
+        False,
+        "also take over before the policy opens the gripper where that drops the held object away "
+        "from its goal (PickPlace; the last action entry is the gripper, < 0 opens)",
+    )
 
 
 @dataclass
@@ -537,6 +542,7 @@ class VLAHABCTrainer(Trainer):
             iv.takeover_steps,
             iv.deadline,
             iv.max_per_episode,
+            iv.release_guard,
         )
         groups_per_wave = r.num_envs // r.group_size
         first_group = r.seed + step * seed_block(cfg)
