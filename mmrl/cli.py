@@ -31,13 +31,23 @@ BUILTIN_MODULES = (
 
 def load_plugins() -> None:
     """Fill the registries: mmrl's own modules, then trainer packages that declare the
-    ``mmrl.plugins`` entry point (diffusion_rl, vlm_rl, vla_rl), so mmrl imports none of them."""
+    ``mmrl.plugins`` entry point (diffusion_rl, vlm_rl, vla_rl), so mmrl imports none of them.
+
+    A plugin whose dependencies are missing or of other versions (ImportError) is skipped with a
+    warning, so that the others still work: e.g. `mmrl eval vla` in a LeRobot venv, whose
+    transformers is too old for vlm_rl."""
     import importlib
 
     for name in BUILTIN_MODULES:
         importlib.import_module(name)
     for entry in entry_points(group="mmrl.plugins"):
-        entry.load()
+        try:
+            entry.load()
+        except ImportError as err:
+            print(
+                f"warning: mmrl plugin {entry.name} not loaded, its commands are missing: {err}",
+                file=sys.stderr,
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,9 @@ step); they are made with obs_mode "rgb", so the policy sees the camera image an
 
     mmrl eval vla "policies=[runs/pretrain/vla/policy,runs/vla/habc/policy]" episodes=100
 
+A policy directory may also be a LeRobot policy (ACT, Diffusion, ...; `vla_rl.lerobot_policy`),
+recognised by the `type` field of its config.json.
+
 With ``interventions=true`` the task's scripted expert supervises every episode and takes over when
 the policy strays, by this rule (a fixed evaluation rule, not necessarily the one a trainer uses):
 at every step the expert's action for the current privileged state is computed; when the RMS
@@ -35,6 +38,7 @@ from tqdm.auto import tqdm
 
 from mmrl.config import ConfigError, apply_overrides, build, option
 from mmrl.registry import EVALUATORS
+from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
 
 VIDEO_FPS = 10  # the sim's control rate
@@ -78,7 +82,7 @@ class Episodes:
 
 
 def run_episodes(
-    policy: VLAPolicy,
+    policy: VLAPolicy | LeRobotPolicy,
     task: str,
     episodes: int,
     seed: int,
@@ -177,7 +181,7 @@ def run_episodes(
 
 
 def evaluate_policy(
-    policy: VLAPolicy,
+    policy: VLAPolicy | LeRobotPolicy,
     task: str,
     episodes: int,
     seed: int,
@@ -208,7 +212,9 @@ def evaluate_policy(
 
 @dataclass
 class VLAPoliciesEvalConfig:
-    policies: list[str] = option([], "VLAPolicy directories (save_pretrained), run on the same episodes")
+    policies: list[str] = option(
+        [], "VLAPolicy or LeRobot policy directories (save_pretrained), run on the same episodes"
+    )
     task: str = option("PickPlace", TASK_HELP)
     episodes: int = option(100, "episodes per policy", min=1)
     seed: int = option(1_000_000, "reset seed of the first episode (then seed+1, ...)", min=0)
@@ -242,8 +248,13 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
         if not Path(path).is_dir():
             raise ConfigError(
                 f"config error: policies: {path!r} is not a directory; give directories written by "
-                "VLAPolicy.save_pretrained (e.g. RUN/policy of `mmrl pretrain vla`)"
+                "VLAPolicy.save_pretrained (e.g. RUN/policy of `mmrl pretrain vla`) or LeRobot policies"
             )
+        if is_lerobot_policy_dir(path):
+            try:
+                import_lerobot()
+            except ImportError as err:
+                raise ConfigError(f"config error: policies: {path!r} is a LeRobot policy: {err}") from None
     try:
         import sim
     except ImportError as err:
@@ -330,7 +341,7 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
     }
     reference: np.ndarray | None = None
     for index, path in enumerate(cfg.policies):
-        policy = VLAPolicy.from_pretrained(path)
+        policy = load_policy(path)
         episodes = run_episodes(
             policy,
             task,

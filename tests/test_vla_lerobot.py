@@ -1,0 +1,405 @@
+"""LeRobot policies behind the sim evaluation (`vla_rl.lerobot_policy`): tiny ACT, Diffusion and
+SmolVLA policies built from configs for the Reach task, saved with their processors, loaded by the
+adapter. SmolVLA's VLM backbone (config, tokenizer, processor) is a tiny one written to tmp_path, so
+nothing is downloaded; it needs transformers < 5, as LeRobot's smolvla extra pins.
+
+Only the missing-LeRobot tests run without LeRobot; the others skip with the reason (LeRobot pins an
+older torch, so it lives in a separate venv: README, LeRobot policies)."""
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.cli import load_plugins, main
+from mmrl.config import ConfigError
+from vla_rl.evaluate import VLAPoliciesEvalConfig, check_config
+from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
+
+
+def _lerobot_error() -> str | None:
+    try:
+        import_lerobot()
+    except ImportError as err:
+        return repr(err.__cause__ or err)
+    return None
+
+
+def _sim_error() -> str | None:
+    if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
+        return "the robot extra (mujoco, gymnasium) is not installed"
+    import sim  # noqa: F401  (selects headless EGL before mujoco loads)
+    from sim.render import headless_rendering_error
+
+    return headless_rendering_error()
+
+
+def _smolvla_error() -> str | None:
+    if LEROBOT_ERROR is not None:
+        return LEROBOT_ERROR
+    try:
+        from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy  # noqa: F401
+        from transformers import SmolVLMConfig, SmolVLMProcessor  # noqa: F401
+    except Exception as err:  # transformers missing, or one SmolVLA does not work with
+        return repr(err)
+    return None
+
+
+LEROBOT_ERROR, SIM_ERROR = _lerobot_error(), _sim_error()
+SMOLVLA_ERROR = _smolvla_error()
+needs_lerobot = pytest.mark.skipif(
+    LEROBOT_ERROR is not None,
+    reason=f"LeRobot >= 0.4 is not importable ({LEROBOT_ERROR}); pip install 'mmrl[lerobot]', in its own "
+    "venv (README: LeRobot policies)",
+)
+needs_smolvla = pytest.mark.skipif(
+    SMOLVLA_ERROR is not None,
+    reason=f"SmolVLA is not usable ({SMOLVLA_ERROR}); it needs LeRobot's smolvla extra (transformers<5)",
+)
+KINDS = ["act", "diffusion", pytest.param("smolvla", marks=needs_smolvla)]
+SIZE, PROPRIO, ACTIONS = 32, 9, 5  # Reach with image_size=32: camera, proprioception, action sizes
+
+
+def tiny_smolvlm(directory):
+    """A tiny SmolVLM backbone as SmolVLA loads it by `vlm_model_name`: config, a word-level tokenizer
+    with SmolVLM's special tokens, image and video processors (no weights: SmolVLA builds them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        SmolVLMConfig,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
+
+    from vla_rl.policy import INSTRUCTION_TEMPLATES
+
+    special = ["<pad>", "<unk>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>"]
+    special.append("<global-img>")
+    words = sorted({w for t in INSTRUCTION_TEMPLATES for w in t.split()} | {"red", "green", "blue"})
+    vocab = {token: i for i, token in enumerate(special + words)}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        additional_special_tokens=special[2:],
+        extra_special_tokens={
+            "fake_image_token": "<fake_token_around_image>",
+            "image_token": "<image>",
+            "global_image_token": "<global-img>",
+            "end_of_utterance_token": "<end_of_utterance>",
+        },
+    )
+    text = {"model_type": "llama", "vocab_size": len(vocab), "hidden_size": 64, "intermediate_size": 128}
+    text |= {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": SIZE, "patch_size": 8}
+    SmolVLMConfig(
+        text_config=text, vision_config=vision, scale_factor=2, image_token_id=vocab["<image>"]
+    ).save_pretrained(directory)
+    images = SmolVLMImageProcessor(do_resize=False, do_image_splitting=False, size={"longest_edge": SIZE})
+    SmolVLMProcessor(
+        image_processor=images, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(), image_seq_len=4
+    ).save_pretrained(directory)
+    return directory
+
+
+def tiny_config(kind: str, directory):
+    """A tiny ACT, Diffusion or SmolVLA config whose features are the Reach task's camera-mode
+    observations (SmolVLA's backbone goes to `directory`)."""
+    from lerobot.configs.types import FeatureType, PolicyFeature
+
+    features = {
+        "input_features": {
+            "observation.image": PolicyFeature(FeatureType.VISUAL, (3, SIZE, SIZE)),
+            "observation.state": PolicyFeature(FeatureType.STATE, (PROPRIO,)),
+        },
+        "output_features": {"action": PolicyFeature(FeatureType.ACTION, (ACTIONS,))},
+        "device": "cpu",
+        "push_to_hub": False,
+    }
+    if kind == "act":
+        from lerobot.policies.act.configuration_act import ACTConfig
+
+        return ACTConfig(
+            **features,
+            chunk_size=4,
+            n_action_steps=4,
+            dim_model=32,
+            n_heads=2,
+            dim_feedforward=64,
+            n_encoder_layers=1,
+            n_decoder_layers=1,
+            n_vae_encoder_layers=1,
+            latent_dim=8,
+            pretrained_backbone_weights=None,  # no download: random resnet18
+        )
+    if kind == "smolvla":
+        from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
+
+        return SmolVLAConfig(
+            **features,
+            vlm_model_name=str(tiny_smolvlm(directory / "smolvlm")),
+            load_vlm_weights=False,
+            chunk_size=4,
+            n_action_steps=4,
+            num_steps=2,
+            resize_imgs_with_padding=(SIZE, SIZE),
+            tokenizer_max_length=16,
+            max_state_dim=16,
+            max_action_dim=8,
+        )
+    from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
+
+    return DiffusionConfig(
+        **features,
+        n_obs_steps=2,
+        horizon=8,
+        n_action_steps=4,
+        down_dims=(16, 32),
+        diffusion_step_embed_dim=16,
+        spatial_softmax_num_keypoints=8,
+        num_train_timesteps=10,
+    )
+
+
+def save_tiny(kind: str, directory, seed: int = 0):
+    """Build, save (policy and processors, with non-trivial statistics) and return the directory."""
+    from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind, directory.parent)
+    stats = {
+        "observation.image": {
+            "mean": torch.tensor([0.4, 0.5, 0.6]).view(3, 1, 1),
+            "std": torch.full((3, 1, 1), 0.25),
+            "min": torch.zeros(3, 1, 1),
+            "max": torch.ones(3, 1, 1),
+        },
+        "observation.state": {
+            "mean": torch.linspace(-0.2, 0.2, PROPRIO),
+            "std": torch.full((PROPRIO,), 0.5),
+            "min": torch.full((PROPRIO,), -1.0),
+            "max": torch.full((PROPRIO,), 1.0),
+        },
+        "action": {
+            "mean": torch.full((ACTIONS,), 0.1),
+            "std": torch.full((ACTIONS,), 0.3),
+            "min": torch.full((ACTIONS,), -1.0),
+            "max": torch.full((ACTIONS,), 1.0),
+        },
+    }
+    policy = get_policy_class(kind)(config).eval()
+    preprocessor, postprocessor = make_pre_post_processors(config, dataset_stats=stats)
+    for part in (policy, preprocessor, postprocessor):
+        part.save_pretrained(directory)
+    return directory
+
+
+def reference(directory):
+    """The same policy loaded by LeRobot itself, with its own processors."""
+    from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+
+    config = json.loads((directory / "config.json").read_text())
+    policy = get_policy_class(config["type"]).from_pretrained(directory).eval()
+    return policy, *make_pre_post_processors(policy.config, pretrained_path=str(directory))
+
+
+def observations(steps: int, batch: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "image": rng.integers(0, 256, (batch, SIZE, SIZE, 3), dtype=np.uint8),
+            "proprio": rng.normal(0, 0.3, (batch, PROPRIO)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def lerobot_action(policy, preprocessor, postprocessor, obs: dict[str, np.ndarray], tasks: list[str]):
+    """What LeRobot's own gym evaluation does: preprocess_observation, task, processors, select_action."""
+    from lerobot.envs.utils import preprocess_observation
+
+    batch = preprocess_observation({"pixels": obs["image"], "agent_pos": obs["proprio"]})
+    batch["task"] = tasks
+    with torch.no_grad():
+        return postprocessor(policy.select_action(preprocessor(batch))).numpy().clip(-1, 1)
+
+
+# ----- without LeRobot (CI) ------------------------------------------------------------------------
+
+
+def fake_lerobot_dir(tmp_path):
+    directory = tmp_path / "act_policy"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"type": "act", "chunk_size": 4}))
+    return directory
+
+
+def test_lerobot_dirs_are_told_apart_by_config_type(tmp_path):
+    assert is_lerobot_policy_dir(fake_lerobot_dir(tmp_path))
+    own = tmp_path / "vla"
+    own.mkdir()
+    (own / "config.json").write_text(json.dumps({"vocabulary": ["<pad>", "<unk>"], "image_size": 96}))
+    assert not is_lerobot_policy_dir(own)
+    assert not is_lerobot_policy_dir(tmp_path / "missing")
+
+
+def test_missing_lerobot_names_the_extra_and_the_recipe(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed, even where it is
+    directory = fake_lerobot_dir(tmp_path)
+    for load in (LeRobotPolicy.from_pretrained, load_policy):
+        with pytest.raises(ImportError, match=r"pip install 'mmrl\[lerobot\]'.*torch==2\.13\.0.*README"):
+            load(directory)
+    with pytest.raises(ConfigError, match=r"is a LeRobot policy: .*pip install 'mmrl\[lerobot\]'"):
+        check_config(VLAPoliciesEvalConfig(policies=[str(directory)], task="Reach"))
+
+
+def test_cli_names_the_recipe_without_lerobot(tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    directory = fake_lerobot_dir(tmp_path)
+    assert main(["eval", "vla", f"policies=[{directory}]", "task=Reach"]) == 2
+    assert "is a LeRobot policy" in capsys.readouterr().err
+
+
+def test_cli_skips_a_plugin_that_cannot_be_imported(monkeypatch, capsys):
+    """A LeRobot venv has an older transformers than vlm_rl needs; `mmrl eval vla` must still run."""
+
+    class Broken:
+        name = "broken_plugin"
+
+        def load(self):
+            raise ImportError("cannot import name 'Something' from 'transformers'")
+
+    monkeypatch.setattr("mmrl.cli.entry_points", lambda group: [Broken()])
+    load_plugins()
+    assert "warning: mmrl plugin broken_plugin not loaded" in capsys.readouterr().err
+
+
+# ----- with LeRobot --------------------------------------------------------------------------------
+
+
+@needs_lerobot
+def test_directory_without_processors_is_refused(tmp_path):
+    from lerobot.policies.act.modeling_act import ACTPolicy
+
+    ACTPolicy(tiny_config("act", tmp_path)).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="policy_preprocessor.json.*migrate_policy_normalization"):
+        LeRobotPolicy.from_pretrained(tmp_path)
+
+
+@needs_lerobot
+@pytest.mark.parametrize("kind", KINDS)
+def test_adapter_acts_as_lerobot_does(tmp_path, kind):
+    directory = save_tiny(kind, tmp_path / kind)
+    adapter = load_policy(directory)
+    assert isinstance(adapter, LeRobotPolicy)
+    assert (adapter.config.image_size, adapter.config.state_dim, adapter.config.action_dim) == (
+        SIZE,
+        PROPRIO,
+        5,
+    )
+    assert adapter.config.image_key == "observation.image" and adapter.config.state_key == "observation.state"
+    policy, preprocessor, postprocessor = reference(directory)
+    tasks = ["move the gripper to the red ball", "move the gripper to the blue ball"]
+    adapter.reset()
+    for step, obs in enumerate(observations(6, 2)):  # past the end of the first 4-action chunk
+        torch.manual_seed(step)  # Diffusion and SmolVLA sample: the same noise for both
+        ours = adapter.act(obs, tasks)
+        torch.manual_seed(step)
+        theirs = lerobot_action(policy, preprocessor, postprocessor, obs, tasks)
+        assert ours.shape == (2, ACTIONS) and ours.dtype == np.float32
+        assert np.all(np.abs(ours) <= 1.0)
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    single = observations(1, 1, seed=1)[0]
+    adapter.reset()
+    action = adapter.act({k: v[0] for k, v in single.items()}, tasks[0])
+    assert action.shape == (ACTIONS,)
+
+
+@needs_lerobot
+def test_seeded_sampling_repeats(tmp_path):
+    adapter = LeRobotPolicy.from_pretrained(save_tiny("diffusion", tmp_path / "diffusion"))
+    obs, tasks = observations(1, 2)[0], ["a", "b"]
+
+    def first_action(seed: int) -> np.ndarray:
+        adapter.reset()
+        return adapter.act(obs, tasks, generator=torch.Generator().manual_seed(seed))
+
+    np.testing.assert_array_equal(first_action(0), first_action(0))
+    assert not np.allclose(first_action(0), first_action(1))
+
+
+@needs_lerobot
+def test_reset_of_some_rows_gives_them_a_fresh_chunk(tmp_path):
+    """Rows 0 and 2 go on with their chunks as if nothing happened; row 1 acts as a policy reset at
+    step 2 that sees row 1 alone."""
+    directory = save_tiny("act", tmp_path / "act")
+    adapter = LeRobotPolicy.from_pretrained(directory)
+    whole, alone = reference(directory), reference(directory)
+    tasks = ["move the gripper to the red ball"] * 3
+    adapter.reset()
+    for step, obs in enumerate(observations(9, 3)):
+        if step == 2:
+            adapter.reset([1])
+        ours = adapter.act(obs, tasks)
+        expected = lerobot_action(*whole, obs, tasks)
+        np.testing.assert_allclose(ours[[0, 2]], expected[[0, 2]], atol=1e-5)
+        if step >= 2:
+            row = {k: v[1:2] for k, v in obs.items()}
+            np.testing.assert_allclose(ours[1:2], lerobot_action(*alone, row, tasks[1:2]), atol=1e-5)
+        if step in (2, 3):  # row 1's new chunk is not the one the others still execute
+            assert not np.allclose(ours[1], expected[1], atol=1e-3)
+    assert len(adapter._cohorts) == 2
+
+
+needs_sim = pytest.mark.skipif(SIM_ERROR is not None, reason=f"no sim: {SIM_ERROR}")
+
+
+@needs_lerobot
+@needs_sim
+@pytest.mark.parametrize("kind", KINDS)
+def test_evaluate_policy_on_reach(tmp_path, kind):
+    import sim
+    from vla_rl.evaluate import evaluate_policy
+
+    env = sim.make("Reach", obs_mode="rgb", image_size=SIZE)
+    assert env.observation_space["image"].shape == (SIZE, SIZE, 3)
+    assert env.observation_space["proprio"].shape == (PROPRIO,) and env.action_space.shape == (ACTIONS,)
+    env.close()
+    policy = load_policy(save_tiny(kind, tmp_path / kind))
+    result = evaluate_policy(policy, "Reach", episodes=2, seed=0, num_envs=2, progress=False)
+    assert result["episodes"] == 2 and 0.0 <= result["success_rate"] <= 1.0
+    assert 1 <= result["mean_steps"] <= 50
+
+
+@needs_lerobot
+@needs_sim
+def test_eval_vla_with_takeovers(tmp_path):
+    """`mmrl eval vla` on LeRobot directories; expert takeovers hand single rows back (reset(rows))."""
+    from vla_rl.evaluate import eval_vla
+
+    dirs = [save_tiny(kind, tmp_path / kind) for kind in ("act", "diffusion")]
+    results = eval_vla(
+        [
+            f"policies=[{dirs[0]},{dirs[1]}]",
+            "task=Reach",
+            "episodes=2",
+            "num_envs=2",
+            "interventions=true",
+            "progress=false",
+            f"output_dir={tmp_path / 'eval'}",
+        ]
+    )
+    assert set(results["policies"]) == {str(d) for d in dirs}
+    assert (tmp_path / "eval" / "eval_vla.json").is_file()
+    assert all(entry["interventions"] >= 1 for entry in results["policies"].values())
