@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vla_rl.policy import VLAPolicy
+from vla_rl.policy import VLAPolicy, as_batch
 
 INSTALL_HINT = (
     "LeRobot policies need LeRobot >= 0.4 (pip install 'mmrl[lerobot]'); LeRobot pins an older torch, "
@@ -215,12 +215,7 @@ class LeRobotPolicy(nn.Module):
         LeRobot policies have no separate mean action (ACT is deterministic, Diffusion always samples),
         so `deterministic` is ignored; with a `generator`, each call seeds the policy's noise from it,
         so that a seeded evaluation repeats."""
-        single = np.asarray(obs["image"]).ndim == 3
-        if single:
-            obs = {k: np.asarray(v)[None] for k, v in obs.items()}
-            instruction = [instruction]
-        elif isinstance(instruction, str):
-            raise ValueError("a batch of observations needs one instruction per row (a list or array)")
+        obs, instruction, single = as_batch(obs, instruction)
         size = len(obs["image"])
         if self._cohorts is None or size != self._size:
             self._cohorts, self._size = [_Cohort(np.arange(size), copy.deepcopy(self._fresh))], size

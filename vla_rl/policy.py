@@ -253,12 +253,7 @@ class VLAPolicy(nn.Module):
     ) -> np.ndarray:
         """The next action (action_dim,) for one env's observation, or (B, action_dim) for a vector env's
         stacked observations with B instructions. Deterministic: the clipped mean; else a sample."""
-        single = np.asarray(obs["image"]).ndim == 3
-        if single:
-            obs = {k: np.asarray(v)[None] for k, v in obs.items()}
-            instruction = [instruction]
-        elif isinstance(instruction, str):
-            raise ValueError("a batch of observations needs one instruction per row (a list or array)")
+        obs, instruction, single = as_batch(obs, instruction)
         size = len(obs["image"])
         if self._queue is None or len(self._queue) != size:
             self._queue = np.zeros((size, self.config.horizon, self.config.action_dim), np.float32)
@@ -298,6 +293,17 @@ class VLAPolicy(nn.Module):
         return policy.to(device).eval()
 
 
+def as_batch(
+    obs: Mapping[str, np.ndarray], instruction: str | Sequence[str]
+) -> tuple[dict[str, np.ndarray], Sequence[str], bool]:
+    """`act`'s input as a batch: (stacked observations, one instruction per row, whether it was one env's)."""
+    if np.asarray(obs["image"]).ndim == 3:
+        return {k: np.asarray(v)[None] for k, v in obs.items()}, [str(instruction)], True
+    if isinstance(instruction, str):
+        raise ValueError("a batch of observations needs one instruction per row (a list or array)")
+    return dict(obs), instruction, False
+
+
 def random_shift(images: Tensor, pad: int, generator: torch.Generator) -> Tensor:
     """Shift each image (B, C, H, W) by up to `pad` pixels in x and y, repeating the border (DrQ-style
     augmentation): with a few hundred demonstrations a CNN otherwise memorises where things were in
@@ -315,4 +321,12 @@ def chunk_nll(policy: VLAPolicy, batch: Mapping[str, Tensor], actions: Tensor, m
     return -policy.log_prob(batch, actions, mask).sum() / (mask.sum() * actions.shape[-1]).clamp(min=1)
 
 
-__all__ = ["ClippedGaussian", "VLAConfig", "VLAPolicy", "chunk_nll", "random_shift", "task_vocabulary"]
+__all__ = [
+    "ClippedGaussian",
+    "VLAConfig",
+    "VLAPolicy",
+    "as_batch",
+    "chunk_nll",
+    "random_shift",
+    "task_vocabulary",
+]
