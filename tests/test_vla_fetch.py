@@ -96,7 +96,7 @@ def test_habc_end_to_end(tmp_path):
     overrides += ["checkpoint_every=1", "progress=false", "eval.episodes=1", "eval.num_envs=1"]
     overrides += ["eval.videos=1", "train.updates=2", "train.batch_size=8", "critic.updates=3"]
     overrides += ["critic.batch_size=16", "intervention.window=3", "intervention.threshold=0.4"]
-    overrides += ["intervention.takeover_steps=4"]
+    overrides += ["intervention.takeover_steps=4", "train.demos=null"]
     result = VLAHABCTrainer(load_config("vla/habc", overrides)).train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["env_steps"] >= 10 and row["interventions_per_episode"] > 0 and row["actor_updates"] == 2

@@ -54,6 +54,7 @@ TINY = [
     "intervention.window=3",
     "intervention.threshold=0.4",
     "intervention.takeover_steps=4",
+    "train.demos=null",  # the recipes mix in the pretraining run's demonstrations; these tests have none
 ]
 
 
@@ -334,18 +335,21 @@ def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path, tiny_policy_dir):
 
 
 @needs_rendering
-def test_habc_resume_repeats_the_next_iteration_exactly(tmp_path, tiny_policy_dir):
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_habc_resume_repeats_the_next_iteration_exactly(tmp_path, tiny_policy_dir, schedule):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    trainer, _ = run(straight, tiny_policy_dir)
+    trainer, _ = run(straight, tiny_policy_dir, f"train.lr_schedule={schedule}")
     rows = metrics(straight)
+    # cosine: 2 iterations, the second at half the learning rate
+    assert rows[1]["lr"] == pytest.approx(rows[0]["lr"] * (0.5 if schedule == "cosine" else 1.0))
     assert {"critic_v_loss", "gate_mean", "weight_mean", "weight_clip_fraction", "env_steps"} <= rows[
         1
     ].keys()
     assert rows[1]["buffer_intervention"] > 0 and rows[1]["buffer_policy"] > 0
     assert json.loads((straight / "rollouts.json").read_text())["env_steps"] == rows[1]["env_steps"]
-    run(stopped, tiny_policy_dir, "steps=1")
+    run(stopped, tiny_policy_dir, "steps=1", f"train.lr_schedule={schedule}")
     with pytest.warns(UserWarning, match="config changes"):
-        run(stopped, tiny_policy_dir, "resume=true")
+        run(stopped, tiny_policy_dir, "resume=true", f"train.lr_schedule={schedule}")
     assert metrics(stopped)[1] == rows[1]
     a, b = VLAPolicy.from_pretrained(straight / "policy"), VLAPolicy.from_pretrained(stopped / "policy")
     assert all(
@@ -394,8 +398,13 @@ def test_recipes_share_the_budget(recipe):
     assert (config.eval.episodes, config.eval.seed) == (reference.eval.episodes, reference.eval.seed)
     assert config.train.batch_size == reference.train.batch_size
     if recipe == "grpo":
+        assert config.train.demos is None  # pure RL on its own rollouts
         # GRPO's updates are PPO epochs over one iteration's episodes, not draws from the replay buffer:
         # more of them push the ratios out of the clip range (docs/results.md), so it takes fewer
         assert config.train.updates <= reference.train.updates
     else:
         assert config.train.updates == reference.train.updates
+        assert (config.train.demos, config.train.demo_fraction) == (
+            reference.train.demos,
+            reference.train.demo_fraction,
+        )

@@ -66,7 +66,7 @@ from mmrl import advantages as _advantages  # noqa: F401  (fills the ADVANTAGES 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
-from mmrl.trainer import Trainer
+from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.buffer import ReplayBuffer
 from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset
 from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
@@ -168,6 +168,11 @@ class HABCGRPOConfig:
 @dataclass
 class HABCTrainConfig:
     lr: float = option(3e-4, "AdamW learning rate of the policy", min=0.0)
+    lr_schedule: str = option(
+        "constant",
+        "constant, or cosine: decayed to 0 over the run's iterations",
+        choices=("constant", "cosine"),
+    )
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
     updates: int = option(32, "actor minibatch updates per iteration", min=0)
     batch_size: int = option(64, "action chunks per actor update", min=1)
@@ -587,10 +592,20 @@ class VLAHABCTrainer(Trainer):
             "buffer_policy": sizes["policy"],
             "buffer_intervention": sizes["intervention"],
         }
+        # the iteration's learning rate, from the config alone: a run resumed with more steps re-spreads it
+        lr = cfg.train.lr * (warmup_cosine(step, 0, cfg.steps) if cfg.train.lr_schedule == "cosine" else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics["lr"] = lr
         generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 1))
-        if cfg.method == "grpo":
-            metrics.update(self.update_grpo(episodes, generator))
-            return _finite(metrics)
+        update = self.update_grpo(episodes, generator) if cfg.method == "grpo" else self.update(generator)
+        metrics.update(update)
+        return _finite(metrics)
+
+    def update(self, generator: torch.Generator) -> dict[str, Any]:
+        """The critic and actor updates of every method but grpo, on the whole replay buffer."""
+        cfg = self.config
+        metrics: dict[str, Any] = {}
         tr = Transitions.from_buffer(self.buffer, self.episode_length)
         if cfg.method == "habc":
             metrics.update(self.train_critics(tr, generator, outcome_only=False))
@@ -605,7 +620,7 @@ class VLAHABCTrainer(Trainer):
             rows, weights, stats = torch.arange(len(tr)), torch.ones(len(tr)), {}
         metrics.update(stats)
         metrics.update(self.update_actor(tr, rows, weights, generator, relabel=cfg.method == "dagger"))
-        return _finite(metrics)
+        return metrics
 
     # ----- critics -----------------------------------------------------------------------------
     def critic_targets(self, tr: Transitions, outcome_only: bool) -> dict[str, Tensor]:
