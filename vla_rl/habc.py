@@ -29,6 +29,12 @@ strays; store every step with its kind (policy / intervention) in the `ReplayBuf
   (`grpo` estimator), PPO-clip on the log-probs of the actions the policy executed from each sampled
   chunk, on this iteration's rollouts only (the recipe turns interventions off).
 
+With `actor.per_chunk` (the recipes), a chunk the policy sampled is weighted as one decision: habc sums
+the discounted one-step advantages of the steps executed from it (the chunk's n-step TD error), awr
+takes the advantage at its first state. With `train.demos` (the recipes), `train.demo_fraction` of
+every actor batch comes from demonstrations (weight 1), whatever the method: without them the online
+data alone pulled the base down (docs/results.md).
+
 The actor loss is over action chunks. An expert step t regresses steps t .. t+horizon-1 of its own
 segment (masked past the segment's end); a policy step is trained only where the policy sampled a
 chunk, on the actions it executed from that chunk (a step inside a chunk was decided at an earlier
