@@ -510,6 +510,7 @@ class VLAHABCTrainer(Trainer):
 
     @property
     def horizon(self) -> int:
+        """Actions per predicted chunk: the length of every actor target."""
         return self.policy.config.horizon
 
     # ----- state that survives a restart -------------------------------------------------------
@@ -773,7 +774,7 @@ class VLAHABCTrainer(Trainer):
         """Weighted chunk regression on minibatches drawn uniformly from `rows`, with a `demo_fraction`
         share of each batch drawn from the demonstrations (weight 1) when `train.demos` is set."""
         cfg = self.config.train
-        horizon = self.policy.config.horizon
+        horizon = self.horizon
         n_demo = round(cfg.batch_size * cfg.demo_fraction) if self.demo_frames is not None else 0
         n_online = cfg.batch_size - n_demo if len(rows) else 0
         device = self.accelerator.device
@@ -817,7 +818,7 @@ class VLAHABCTrainer(Trainer):
         """PPO-clip on the executed part of every chunk the policy sampled in this iteration's episodes,
         with the episode's group-normalised binary success as advantage (zero-advantage chunks dropped)."""
         cfg, g, scale = self.config.train, self.config.grpo, self.config.rollout.std_scale
-        horizon = self.policy.config.horizon
+        horizon = self.horizon
         rewards = torch.tensor([float(e.success) for e in episodes])
         adv = ADVANTAGES.get("grpo")(
             rewards=rewards, group_ids=torch.tensor([e.group for e in episodes])

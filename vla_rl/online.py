@@ -116,9 +116,7 @@ class Supervisor:
             return False
         if not (action[-1] < 0 and release_fails):
             return False
-        self.count[j] += 1
-        self.expert_steps_left[j] = self.takeover_steps
-        self.gaps[j].clear()
+        self._take_over(j)
         return True
 
     def after_policy_step(
@@ -136,10 +134,14 @@ class Supervisor:
         if not (strayed or late):
             return False
         self.deadline_used[j] |= late
+        self._take_over(j)
+        return True
+
+    def _take_over(self, j: int) -> None:
+        """Hand env j to the expert for `takeover_steps` steps; the gap window starts afresh after."""
         self.count[j] += 1
         self.expert_steps_left[j] = self.takeover_steps
         self.gaps[j].clear()
-        return True
 
     def after_expert_step(self, j: int) -> bool:
         """Count down a take-over; True when control goes back to the policy."""
@@ -178,6 +180,7 @@ def run_episodes(
         instructions[j] = info["instruction"]
         supervisor.reset(j)
     active = np.ones(n, dtype=bool)
+    guard = supervisor.enabled and supervisor.release_guard
     was_training = policy.training
     policy.eval()
     try:
@@ -197,8 +200,9 @@ def run_episodes(
             expert_actions = expert(np.stack([states[j][-1] for j in rows]))
             for j, expert_action in zip(rows, expert_actions, strict=True):
                 by_expert = supervisor.expert_drives(j)
-                if (
-                    not by_expert
+                if (  # the guard's state check runs only where the policy is about to open the gripper
+                    guard
+                    and not by_expert
                     and queue[j, cursor[j], -1] < 0
                     and supervisor.vetoes(j, queue[j, cursor[j]], expert.release_fails(states[j][-1]))
                 ):
