@@ -34,6 +34,7 @@ from vla_rl.habc import (  # noqa: E402
 )
 from vla_rl.online import Supervisor, Transitions  # noqa: E402
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
+from vla_rl.pretrain import frame_tensors  # noqa: E402
 
 needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 SIZE = 32
@@ -287,6 +288,33 @@ def test_per_chunk_habc_with_demonstrations_mixed_in(tmp_path, tiny_policy_dir, 
     assert rows[-1]["actor_updates"] == 20 and math.isfinite(rows[-1]["weight_mean"])
     # every sample came from the demonstrations, so their likelihood rose
     assert demo_nll(trainer.policy, reach_demos) < before - 1.0
+
+
+@needs_rendering
+def test_actor_updates_keep_training_the_auxiliary_object_positions(tmp_path, reach_demos):
+    torch.manual_seed(0)
+    config = VLAConfig(vocabulary=task_vocabulary(), image_size=SIZE, channels=[8, 8], keypoints=8,
+                       hidden=32, horizon=4, n_action_steps=2, state_index=[9, 10, 11])  # fmt: skip
+    policy = VLAPolicy(config)
+    frames = frame_tensors(RobotDataset(reach_demos), policy)
+    env = sim.make("Reach")  # statistics of many episodes: the two demonstrations have two balls
+    states = torch.tensor(np.stack([env.reset(seed=seed)[0]["state"] for seed in range(100)]))
+    policy.set_normalization(states.mean(0), states.std(0))
+    policy.save_pretrained(tmp_path / "base")
+
+    def state_loss(policy):
+        with torch.no_grad():
+            return float(policy(frames).state_loss)
+
+    losses = {}
+    for weight in (0, 1):
+        trainer, _ = run(
+            tmp_path / f"w{weight}", tmp_path / "base", f"train.demos={reach_demos}", "train.updates=20",
+            "train.lr=1e-3", f"train.state_weight={weight}",
+        )  # fmt: skip
+        losses[weight] = state_loss(trainer.policy)
+    # the Reach ball's position (standardised) is learned only when the loss is in the actor's updates
+    assert losses[1] < 0.7 * min(losses[0], state_loss(policy)), (losses, state_loss(policy))
 
 
 @needs_rendering

@@ -21,7 +21,7 @@ from sim.render import headless_rendering_error  # noqa: E402
 from vla_rl.dataset import record_episodes  # noqa: E402
 from vla_rl.evaluate import wilson_interval  # noqa: E402
 from vla_rl.policy import UNK, ClippedGaussian, VLAConfig, VLAPolicy, chunk_nll, task_vocabulary  # noqa: E402
-from vla_rl.pretrain import frame_tensors  # noqa: E402
+from vla_rl.pretrain import frame_tensors, object_positions  # noqa: E402
 
 load_plugins()
 needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
@@ -153,15 +153,19 @@ def test_act_executes_chunks_single_and_batched():
 
 
 def test_save_load_round_trip(tmp_path):
-    policy = tiny_policy(seed=3)
-    policy.set_normalization(np.arange(9.0), np.full(9, 2.0))
+    policy = tiny_policy(seed=3, state_index=[9, 10])
+    policy.set_normalization(np.arange(12.0), np.full(12, 2.0))
+    assert policy.state_mean.tolist() == [9.0, 10.0]
     policy.save_pretrained(tmp_path / "policy")
     loaded = VLAPolicy.from_pretrained(tmp_path / "policy")
     assert loaded.config == policy.config
     batch = random_batch(policy)
+    batch["state"] = torch.randn(len(batch["image"]), 12)
     with torch.no_grad():
         a, b = policy(batch), loaded(batch)
-    assert torch.equal(a.mean, b.mean) and torch.equal(a.std, b.std)
+    assert (
+        torch.equal(a.mean, b.mean) and torch.equal(a.std, b.std) and torch.equal(a.state_loss, b.state_loss)
+    )
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         (tmp_path / "policy" / "model.safetensors").unlink()
         VLAPolicy.from_pretrained(tmp_path / "policy")
@@ -186,12 +190,32 @@ def test_behaviour_cloning_steps_reduce_the_loss(demos):
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     losses = []
     for _ in range(25):
-        loss = chunk_nll(policy, frames, frames["actions"], frames["mask"])
+        loss = chunk_nll(policy(frames), frames["actions"], frames["mask"])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_the_auxiliary_head_learns_object_positions_from_the_image(demos):
+    layout = sim.make("PickPlace").get_wrapper_attr("state_layout")
+    index = object_positions(layout, 9)
+    assert [layout["cube_pos"].start, layout["goal_pos"].start] == [index[0], index[3]] and len(index) == 6
+    policy = tiny_policy(state_index=index)
+    frames = frame_tensors(demos, policy)
+    policy.set_normalization(frames["state"].mean(0), frames["state"].std(0))
+    assert policy({k: v for k, v in frames.items() if k != "state"}).state_loss is None  # acting
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = policy(frames).state_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    # standardised targets: predicting their mean scores 1, reading them off the images well below it
+    assert losses[0] > 0.5 and losses[-1] < 0.5 * losses[0], losses
 
 
 @needs_rendering
@@ -203,8 +227,14 @@ def test_pretrain_vla_end_to_end(tmp_path, capsys):
     assert result["episodes"] == 2 and 0 <= result["success_ci_low"] <= result["success_rate"] <= 1
     policy = VLAPolicy.from_pretrained(tmp_path / "policy")
     assert policy.config.image_size == SIZE and policy.config.channels == [8, 8]
+    assert policy.config.state_index == [9, 10, 11, 19, 20, 21]  # PickPlace's cube and pad positions
     assert (tmp_path / "demos" / "meta" / "info.json").is_file()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4 and all(m["loss"] > m["nll"] and m["state_loss"] > 0 for m in metrics[:2])
+    assert (
+        main(["pretrain", "vla", f"output_dir={tmp_path / 'plain'}", "train.state_weight=0", *TINY_RUN]) == 0
+    )
+    assert VLAPolicy.from_pretrained(tmp_path / "plain" / "policy").state_head is None
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,12 @@ class HABCTrainConfig:
     demo_fraction: float = option(
         0.5, "share of each actor batch drawn from train.demos (weight 1, like pretraining)", min=0.0, max=1.0
     )
+    state_weight: float = option(
+        1.0,
+        "weight of the policy's auxiliary object-position loss in actor updates (a policy pretrained "
+        "with one; see `mmrl pretrain vla` train.state_weight)",
+        min=0.0,
+    )
 
 
 @dataclass
@@ -790,25 +796,31 @@ class VLAHABCTrainer(Trainer):
                     actions = torch.from_numpy(targets).reshape(*chunk.shape, -1).float()
                 else:
                     actions = tr.action[chunk]
-                parts.append((tr.policy_inputs(self.policy, pick), actions, mask, weights[chunk]))
+                inputs = tr.policy_inputs(self.policy, pick) | {"state": tr.state[pick].to(device)}
+                parts.append((inputs, actions, mask, weights[chunk]))
             if n_demo:
                 demo = torch.randint(len(self.demo_frames["actions"]), (n_demo,), generator=generator)
                 frames = {k: v[demo] for k, v in self.demo_frames.items()}
-                inputs = {k: frames[k].to(device) for k in ("image", "proprio", "tokens")}
+                inputs = {k: frames[k].to(device) for k in ("image", "proprio", "state", "tokens")}
                 parts.append((inputs, frames["actions"], frames["mask"], torch.ones(n_demo, horizon)))
             inputs = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
             actions, mask, weight = (torch.cat([p[i] for p in parts]).to(device) for i in (1, 2, 3))
             self.model.train()
-            logp = self.model(inputs).log_prob(actions).sum(-1)  # (B, horizon)
-            loss = aggregate_loss(-weight * logp, mask, "token_mean")
+            dist = self.model(inputs)
+            loss = aggregate_loss(-weight * dist.log_prob(actions).sum(-1), mask, "token_mean")
+            if dist.state_loss is not None and cfg.state_weight > 0:
+                loss = loss + cfg.state_weight * dist.state_loss
             out = self.actor_step(loss)
             if out is None:
                 skipped += 1
             else:
+                if dist.state_loss is not None:
+                    out["state_loss"] = dist.state_loss.item()
                 results.append(out)
         return {
             "loss": _mean([r["loss"] for r in results]),
             "grad_norm": _mean([r["grad_norm"] for r in results]),
+            "state_loss": _mean([r["state_loss"] for r in results if "state_loss" in r]),
             "actor_updates": len(results),
             "skipped_updates": skipped,
             "skipped_steps": self.skipped_steps,

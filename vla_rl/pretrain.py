@@ -64,6 +64,12 @@ class VLATrainConfig:
     batch_size: int = option(64, "frames per step on each process", min=1)
     image_shift: int = option(0, "random shift augmentation of the camera frames, pixels (0: off)", min=0)
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
+    state_weight: float = option(
+        1.0,
+        "weight of the auxiliary loss that predicts the task's object positions (its *_pos state "
+        "entries) from the image features; 0: no auxiliary head",
+        min=0.0,
+    )
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
     nan_patience: int = option(5, "non-finite losses in a row before the run stops", min=1)
 
@@ -151,14 +157,23 @@ def demonstrations(cfg: VLABCConfig, run_dir: os.PathLike) -> RobotDataset:
     return RobotDataset(root)
 
 
+def object_positions(layout: dict[str, slice], proprio_dim: int) -> list[int]:
+    """State entries of the task's object positions (the parts after the proprioception named *_pos):
+    what the auxiliary head learns to read off the image. Empty for a task without any."""
+    parts = [part for name, part in layout.items() if name.endswith("_pos") and part.start >= proprio_dim]
+    return [i for part in parts for i in range(part.start, part.stop)]
+
+
 def frame_tensors(dataset: RobotDataset, policy: VLAPolicy) -> dict[str, torch.Tensor]:
-    """Every frame as training tensors, images decoded once: image, proprio, tokens, actions, mask."""
+    """Every frame as training tensors, images decoded once: image, proprio, state (the full env
+    state, for the auxiliary head), tokens, actions, mask."""
     cfg = policy.config
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("image", "proprio", "tokens")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("image", "proprio", "state", "tokens")}
     for index in tqdm(range(len(dataset.episodes)), desc="decoding demos", disable=None, leave=False):
         episode = dataset.episode(index)
         parts["image"].append(episode[IMAGE_KEY])
-        parts["proprio"].append(episode[STATE_KEY][:, : cfg.proprio_dim].float())
+        parts["state"].append(episode[STATE_KEY].float())
+        parts["proprio"].append(parts["state"][-1][:, : cfg.proprio_dim])
         parts["tokens"].append(policy.tokenize([episode["task"]]).expand(len(episode[IMAGE_KEY]), -1))
     chunks = [dataset.chunk(i, cfg.horizon) for i in range(len(dataset))]
     return {k: torch.cat(v) for k, v in parts.items()} | {
@@ -184,6 +199,7 @@ class VLABCTrainer(Trainer):
 
         env = sim.make(cfg.data.task, obs_mode="state")
         proprio_dim = env.get_wrapper_attr("proprio_dim")
+        layout = env.get_wrapper_attr("state_layout")
         state_dim = env.observation_space["state"].shape[0]
         env.close()
         size = cfg.data.image_size
@@ -207,6 +223,7 @@ class VLABCTrainer(Trainer):
             n_action_steps=m.n_action_steps,
             channels=list(m.channels),
             keypoints=m.keypoints,
+            state_index=object_positions(layout, proprio_dim) if cfg.train.state_weight > 0 else [],
             word_dim=m.word_dim,
             text_dim=m.text_dim,
             hidden=m.hidden,
@@ -215,7 +232,7 @@ class VLABCTrainer(Trainer):
         )
         self.policy = VLAPolicy(policy_config)
         stats = dataset.stats[STATE_KEY]
-        self.policy.set_normalization(stats["mean"][:proprio_dim], stats["std"][:proprio_dim])
+        self.policy.set_normalization(stats["mean"], stats["std"])
         self.frames = frame_tensors(dataset, self.policy)
         self.policy.to(self.accelerator.device)
         optimizer = torch.optim.AdamW(
@@ -247,7 +264,9 @@ class VLABCTrainer(Trainer):
         batch["image"] = random_shift(batch["image"], cfg.image_shift, self.data_generator)
         batch = {k: v.to(device) for k, v in batch.items()}
         self.model.train()
-        loss = chunk_nll(self.model, batch, batch["actions"], batch["mask"])
+        dist = self.model(batch)
+        nll = chunk_nll(dist, batch["actions"], batch["mask"])
+        loss = nll if dist.state_loss is None else nll + cfg.state_weight * dist.state_loss
         if not self.all_finite(loss):
             return self.skip_step("non-finite behaviour-cloning loss", cfg.nan_patience)
         self.nan_streak = 0
@@ -256,7 +275,10 @@ class VLABCTrainer(Trainer):
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
-        return {"loss": loss.detach(), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+        metrics = {"loss": loss.detach(), "nll": nll.detach(), "grad_norm": grad_norm}
+        if dist.state_loss is not None:
+            metrics["state_loss"] = dist.state_loss.detach()
+        return metrics | {"lr": self.scheduler.get_last_lr()[0]}
 
     def evaluate(self) -> dict[str, float]:
         """Success over the held-out seeds; the main process runs the episodes, the others wait."""
