@@ -33,7 +33,8 @@ With `actor.per_chunk` (the recipes), a chunk the policy sampled is weighted as 
 the discounted one-step advantages of the steps executed from it (the chunk's n-step TD error), awr
 takes the advantage at its first state. With `train.demos` (the recipes), `train.demo_fraction` of
 every actor batch comes from demonstrations (weight 1), whatever the method: without them the online
-data alone pulled the base down (docs/results.md).
+data alone pulled the base down (docs/results.md). A policy pretrained with the auxiliary object-position
+head keeps that loss in every actor update (`train.state_weight`), on online and demonstration rows.
 
 The actor loss is over action chunks. An expert step t regresses steps t .. t+horizon-1 of its own
 segment (masked past the segment's end); a policy step is trained only where the policy sampled a
