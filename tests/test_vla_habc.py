@@ -331,12 +331,16 @@ def test_demonstrations_that_do_not_fit_the_policy_are_named(tmp_path, tiny_poli
 
 
 @needs_rendering
-def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path, tiny_policy_dir):
+def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path):
+    torch.manual_seed(0)
+    config = VLAConfig(vocabulary=task_vocabulary(), image_size=SIZE, channels=[8, 8], keypoints=8,
+                       hidden=32, horizon=4, n_action_steps=2, state_index=[9, 10, 11])  # fmt: skip
+    VLAPolicy(config).save_pretrained(tmp_path / "base")
     config = load_config(
         "vla/habc",
         [
-            f"output_dir={tmp_path}",
-            f"model.path={tiny_policy_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            f"model.path={tmp_path / 'base'}",
             *TINY,
             "method=grpo",
             "rollout.group_size=2",
@@ -358,6 +362,10 @@ def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path, tiny_policy_dir):
     assert out["grpo_chunks"] > 0 and out["actor_updates"] == 2 and math.isfinite(out["loss"])
     assert 0 <= out["clip_fraction"] <= 1 and abs(out["approx_kl"]) < 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters(), strict=True))
+    # the auxiliary object-position loss stays in the update, so every parameter (the head's too) has
+    # a gradient, as multi-process DDP requires
+    assert out["state_loss"] > 0
+    assert [n for n, p in trainer.policy.named_parameters() if p.grad is None] == []
     for env in trainer.envs:
         env.close()
 

@@ -79,7 +79,7 @@ from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset
 from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
 from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
-from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, VLAPolicy
+from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy
 from vla_rl.pretrain import checked_task, frame_tensors
 
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
@@ -759,6 +759,18 @@ class VLAHABCTrainer(Trainer):
         }
 
     # ----- actor updates ------------------------------------------------------------------------
+    def with_state_loss(self, loss: Tensor, dist: ClippedGaussian) -> Tensor:
+        """`loss` plus `train.state_weight` times the policy's auxiliary object-position loss, when the
+        batch had the env state and the policy has the head: every actor update keeps it (and so every
+        parameter gets a gradient, as DDP requires)."""
+        if dist.state_loss is None or self.config.train.state_weight == 0:
+            return loss
+        return loss + self.config.train.state_weight * dist.state_loss
+
+    @staticmethod
+    def state_loss_metric(dist: ClippedGaussian) -> dict[str, float]:
+        return {} if dist.state_loss is None else {"state_loss": dist.state_loss.item()}
+
     def actor_step(self, loss: Tensor) -> dict[str, float] | None:
         """Backward and step; None (the update skipped, as a NaN is data, not a crash) if not finite."""
         cfg = self.config.train
@@ -809,15 +821,11 @@ class VLAHABCTrainer(Trainer):
             self.model.train()
             dist = self.model(inputs)
             loss = aggregate_loss(-weight * dist.log_prob(actions).sum(-1), mask, "token_mean")
-            if dist.state_loss is not None and cfg.state_weight > 0:
-                loss = loss + cfg.state_weight * dist.state_loss
-            out = self.actor_step(loss)
+            out = self.actor_step(self.with_state_loss(loss, dist))
             if out is None:
                 skipped += 1
             else:
-                if dist.state_loss is not None:
-                    out["state_loss"] = dist.state_loss.item()
-                results.append(out)
+                results.append(out | self.state_loss_metric(dist))
         return {
             "loss": _mean([r["loss"] for r in results]),
             "grad_norm": _mean([r["grad_norm"] for r in results]),
@@ -854,8 +862,9 @@ class VLAHABCTrainer(Trainer):
                 actions[b, :k] = episodes[i].actions[t0 : t0 + k]
                 mask[b, :k] = True
             a = torch.tensor([float(adv[i]) for i, _, _ in items])
-            inputs = self.policy.prepare(obs, [episodes[i].instruction for i, _, _ in items])
             device = self.accelerator.device
+            inputs = self.policy.prepare(obs, [episodes[i].instruction for i, _, _ in items])
+            inputs["state"] = torch.as_tensor(obs["state"], dtype=torch.float32, device=device)
             return inputs, torch.from_numpy(actions).to(device), mask.to(device), a.to(device)
 
         old_parts = []
@@ -874,17 +883,19 @@ class VLAHABCTrainer(Trainer):
             cursor += cfg.batch_size
             inputs, actions, mask, a = batch_of([chunks[i] for i in pick.tolist()])
             self.model.train()
-            logp = self.model(inputs).scaled(scale).log_prob(actions).sum(-1)
+            dist = self.model(inputs)
+            logp = dist.scaled(scale).log_prob(actions).sum(-1)
             out = LOSSES.get("ppo_clip")(logp, old[pick], a, mask, clip_low=g.clip_low, clip_high=g.clip_high)
-            step = self.actor_step(out.loss)
+            step = self.actor_step(self.with_state_loss(out.loss, dist))
             if step is None:
                 skipped += 1
                 continue
-            results.append(step)
+            results.append(step | self.state_loss_metric(dist))
             metrics.append({k: float(v) for k, v in out.metrics.items()})
         return stats | {
             "loss": _mean([r["loss"] for r in results]),
             "grad_norm": _mean([r["grad_norm"] for r in results]),
+            "state_loss": _mean([r["state_loss"] for r in results if "state_loss" in r]),
             "clip_fraction": _mean([m["clip_fraction"] for m in metrics]),
             "approx_kl": _mean([m["approx_kl"] for m in metrics]),
             "actor_updates": len(results),
