@@ -59,20 +59,17 @@ TINY = [
 ]
 
 
+def tiny_config(**overrides) -> VLAConfig:
+    """The tests' small policy: two conv layers, 8 keypoints, chunks of 4 with 2 executed."""
+    return VLAConfig(vocabulary=task_vocabulary(), image_size=SIZE, channels=[8, 8], keypoints=8,
+                     hidden=32, horizon=4, n_action_steps=2, **overrides)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tiny_policy_dir(tmp_path_factory):
     torch.manual_seed(0)
-    config = VLAConfig(
-        vocabulary=task_vocabulary(),
-        image_size=SIZE,
-        channels=[8, 8],
-        keypoints=8,
-        hidden=32,
-        horizon=4,
-        n_action_steps=2,
-    )
     directory = tmp_path_factory.mktemp("policy")
-    VLAPolicy(config).save_pretrained(directory)
+    VLAPolicy(tiny_config()).save_pretrained(directory)
     return directory
 
 
@@ -293,9 +290,7 @@ def test_per_chunk_habc_with_demonstrations_mixed_in(tmp_path, tiny_policy_dir, 
 @needs_rendering
 def test_actor_updates_keep_training_the_auxiliary_object_positions(tmp_path, reach_demos):
     torch.manual_seed(0)
-    config = VLAConfig(vocabulary=task_vocabulary(), image_size=SIZE, channels=[8, 8], keypoints=8,
-                       hidden=32, horizon=4, n_action_steps=2, state_index=[9, 10, 11])  # fmt: skip
-    policy = VLAPolicy(config)
+    policy = VLAPolicy(tiny_config(state_index=[9, 10, 11]))
     frames = frame_tensors(RobotDataset(reach_demos), policy)
     env = sim.make("Reach")  # statistics of many episodes: the two demonstrations have two balls
     states = torch.tensor(np.stack([env.reset(seed=seed)[0]["state"] for seed in range(100)]))
@@ -333,9 +328,7 @@ def test_demonstrations_that_do_not_fit_the_policy_are_named(tmp_path, tiny_poli
 @needs_rendering
 def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path):
     torch.manual_seed(0)
-    config = VLAConfig(vocabulary=task_vocabulary(), image_size=SIZE, channels=[8, 8], keypoints=8,
-                       hidden=32, horizon=4, n_action_steps=2, state_index=[9, 10, 11])  # fmt: skip
-    VLAPolicy(config).save_pretrained(tmp_path / "base")
+    VLAPolicy(tiny_config(state_index=[9, 10, 11])).save_pretrained(tmp_path / "base")
     config = load_config(
         "vla/habc",
         [

@@ -769,6 +769,7 @@ class VLAHABCTrainer(Trainer):
 
     @staticmethod
     def state_loss_metric(dist: ClippedGaussian) -> dict[str, float]:
+        """The update's auxiliary loss for the metrics, when the policy computed one."""
         return {} if dist.state_loss is None else {"state_loss": dist.state_loss.item()}
 
     def actor_step(self, loss: Tensor) -> dict[str, float] | None:
