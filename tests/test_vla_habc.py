@@ -228,6 +228,38 @@ def test_release_guard_takes_over_before_a_drop():
     assert not unguarded.vetoes(0, opens, release_fails=True)
 
 
+@needs_rendering
+def test_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(monkeypatch):
+    """In `run_episodes`, a policy step that would open the gripper where a release fails is never
+    executed: the expert drives from that step on. Every release is made to fail here, so the first
+    sampled opening (about half of a random policy's gripper entries) is where each takeover starts."""
+    from sim.experts import PickPlaceExpert, expert_for
+    from vla_rl.online import run_episodes
+
+    monkeypatch.setattr(PickPlaceExpert, "release_fails", lambda self, state: True)
+    torch.manual_seed(0)
+    policy = VLAPolicy(tiny_config()).eval()
+    envs = [
+        sim.make("PickPlace", obs_mode="state+rgb", image_size=SIZE, max_episode_steps=16) for _ in range(3)
+    ]
+
+    def rollouts(release_guard):
+        supervisor = Supervisor(3, True, 8, 100.0, takeover_steps=3, deadline=0, max_per_episode=1,
+                                release_guard=release_guard)  # fmt: skip
+        generator = torch.Generator().manual_seed(0)
+        expert = expert_for("PickPlace")
+        return run_episodes(policy, envs, expert, [0, 1, 2], [0, 1, 2], supervisor, generator)
+
+    assert not any(e.is_intervention.any() for e in rollouts(False))  # never strays at threshold 100
+    for episode in rollouts(True):
+        flags = episode.is_intervention
+        start = int(np.argmax(flags))
+        assert flags[start] and flags[start : start + 3].all() and flags.sum() == 3  # one takeover
+        assert (episode.actions[:start, -1] >= 0).all()  # no opening ran before it
+        expert_action = expert_for("PickPlace")(episode.states[start : start + 1])[0]
+        np.testing.assert_allclose(episode.actions[start], expert_action, atol=1e-6)  # the expert's step
+
+
 # ----- end to end ------------------------------------------------------------------------------
 
 
@@ -433,6 +465,7 @@ def test_recipes_share_the_budget(recipe):
         assert config.train.updates <= reference.train.updates
     else:
         assert config.train.updates == reference.train.updates
+        assert config.intervention == reference.intervention  # the same supervisor, release guard included
         assert (config.train.demos, config.train.demo_fraction) == (
             reference.train.demos,
             reference.train.demo_fraction,
