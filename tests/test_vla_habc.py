@@ -238,7 +238,7 @@ def test_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(monkeypatc
 
     monkeypatch.setattr(PickPlaceExpert, "release_fails", lambda self, state: True)
     torch.manual_seed(0)
-    policy = VLAPolicy(tiny_config()).eval()
+    policy, expert = VLAPolicy(tiny_config()).eval(), expert_for("PickPlace")
     envs = [
         sim.make("PickPlace", obs_mode="state+rgb", image_size=SIZE, max_episode_steps=16) for _ in range(3)
     ]
@@ -247,7 +247,6 @@ def test_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(monkeypatc
         supervisor = Supervisor(3, True, 8, 100.0, takeover_steps=3, deadline=0, max_per_episode=1,
                                 release_guard=release_guard)  # fmt: skip
         generator = torch.Generator().manual_seed(0)
-        expert = expert_for("PickPlace")
         return run_episodes(policy, envs, expert, [0, 1, 2], [0, 1, 2], supervisor, generator)
 
     assert not any(e.is_intervention.any() for e in rollouts(False))  # never strays at threshold 100
@@ -256,7 +255,7 @@ def test_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(monkeypatc
         start = int(np.argmax(flags))
         assert flags[start] and flags[start : start + 3].all() and flags.sum() == 3  # one takeover
         assert (episode.actions[:start, -1] >= 0).all()  # no opening ran before it
-        expert_action = expert_for("PickPlace")(episode.states[start : start + 1])[0]
+        expert_action = expert(episode.states[start : start + 1])[0]
         np.testing.assert_allclose(episode.actions[start], expert_action, atol=1e-6)  # the expert's step
 
 
