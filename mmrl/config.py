@@ -313,3 +313,59 @@ def _plain(value: Any) -> Any:
 
 def save_config(config: BaseConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of paths and devices, run before any work
+
+
+def check_output_dir(path: str | Path, key: str = "output_dir") -> Path:
+    """The directory `path` made (parents too) and proven writable, or a ConfigError naming `key`.
+
+    Called before any work, so that a bad output directory fails in one line instead of after
+    training or evaluating."""
+    import os
+    import tempfile
+
+    if str(path).strip() == "":
+        raise ConfigError(f"config error: {key} is empty: give a directory, e.g. {key}=runs/my_run")
+    out = Path(path)
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            what = "is a file" if parent == out else f"is under {str(parent)!r}, which is a file"
+            raise ConfigError(f"config error: {key} = {str(path)!r} {what}: give a directory path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".mmrl-write-check-"):
+            pass
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise ConfigError(
+            f"config error: {key} = {str(path)!r} is not writable ({reason}): choose another directory "
+            "or fix its permissions"
+        ) from None
+    return out
+
+
+def check_device(spec: str, key: str = "device") -> str:
+    """`spec` ('auto', 'cpu', 'cuda', 'cuda:N', 'mps') resolved to a device this machine has, or a
+    ConfigError naming `key` and the devices that exist."""
+    import torch
+
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"config error: {key} = {spec!r} is not a device: use auto, cpu, cuda or cuda:N"
+        ) from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (count == 0 or (device.index or 0) >= count):
+        have = f"cuda:0 to cuda:{count - 1}" if count else "no CUDA device"
+        raise ConfigError(f"config error: {key} = {spec!r} does not exist on this machine ({have}): use cpu or auto")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"config error: {key} = {spec!r}: MPS is not available here; use cpu or auto")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"config error: {key} = {spec!r}: only cpu, cuda and mps devices are supported")
+    return spec
