@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from mmrl.config import ConfigError
 from mmrl.registry import ADVANTAGES
 
 # A (tree, depth) whose fused rewards spread less than this carries no ranking signal (BranchGRPO).
@@ -40,6 +41,16 @@ class Advantages(NamedTuple):
     values: Tensor
     loss_mask: Tensor
     returns: Tensor | None = None
+
+
+def check_group_size(name: str, group_size: int, key: str) -> None:
+    """Refuse, at config time, a group size the estimator `name` cannot use (mc_grpo: G + 1 rollouts,
+    an odd number, so that the median is one of them); `key` is the config key that sets it."""
+    if name == "mc_grpo" and group_size % 2 == 0:
+        raise ConfigError(
+            f"config error: mc_grpo needs an odd number of rollouts per group (G + 1), but {key} = "
+            f"{group_size}: use {group_size + 1} or {group_size - 1}"
+        )
 
 
 def _as_float(x: Tensor) -> Tensor:
@@ -85,7 +96,7 @@ def _keep_all(x: Tensor) -> Tensor:
     return torch.ones_like(x, dtype=torch.bool)
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", inputs="group rewards")
 def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps) within each group g (population std).
 
@@ -100,7 +111,7 @@ def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     return Advantages(values.to(rewards.dtype), _keep_all(rewards))
 
 
-@ADVANTAGES.register("grpo_global_std")
+@ADVANTAGES.register("grpo_global_std", inputs="group rewards")
 def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """Flow-GRPO: A_i = (r_i - mean_g) / (std_batch + eps), with the population std of all rewards
     of the batch, so groups with a small spread are not blown up to unit scale."""
@@ -112,7 +123,7 @@ def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Ad
     return Advantages(values.to(rewards.dtype), _keep_all(rewards))
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", inputs="group rewards")
 def rloo(rewards: Tensor, group_ids: Tensor) -> Advantages:
     """RLOO: A_i = r_i - mean_{j != i} r_j = (n r_i - sum_g) / (n - 1) within each group of size n.
 
@@ -136,7 +147,7 @@ def _sortable_int64(x: Tensor) -> Tensor:
     return bits ^ ((bits >> 63) & torch.iinfo(torch.int64).max)
 
 
-@ADVANTAGES.register("mc_grpo")
+@ADVANTAGES.register("mc_grpo", inputs="group rewards")
 def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """MC-GRPO: median baseline over G+1 rollouts, A_i = (r_i - median_g) / (std_g + eps).
 
@@ -179,7 +190,7 @@ def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages
     return Advantages(values.to(rewards.dtype), loss_mask)
 
 
-@ADVANTAGES.register("tree_depthwise")
+@ADVANTAGES.register("tree_depthwise", inputs="tree node rewards")
 def tree_depthwise(
     node_rewards: Tensor, tree_ids: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
 ) -> Advantages:
@@ -209,7 +220,7 @@ def tree_depthwise(
     return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
 
 
-@ADVANTAGES.register("awr")
+@ADVANTAGES.register("awr", inputs="advantages")
 def awr(
     advantages: Tensor,
     beta: float = 1.0,
@@ -247,7 +258,7 @@ def _td_residuals(
     return target - values[..., :-1], target, not_done
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", inputs="rewards, values and dones")
 def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam: float = 0.95) -> Advantages:
     """Generalised advantage estimation over the last (time) axis, vectorised over leading axes.
 
@@ -271,7 +282,7 @@ def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam
     return Advantages(advantages, _keep_all(rewards), returns=advantages + values[..., :-1])
 
 
-@ADVANTAGES.register("td1")
+@ADVANTAGES.register("td1", inputs="rewards, values and dones")
 def td1(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99) -> Advantages:
     """One-step TD advantage A_t = r_t + gamma (1 - d_t) V_{t+1} - V_t (GAE with lam = 0), same
     shapes as `gae`; returns are the one-step targets."""

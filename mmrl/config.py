@@ -3,13 +3,14 @@
 A config error must stop the run before any work, in one line that names the key, the bad
 value, what is allowed and the closest valid key. Field metadata carries the allowed range:
 ``min`` / ``max`` (inclusive), ``choices``, or ``registry`` (the name of an mmrl registry whose
-entries are the allowed values).
+entries are the allowed values) with ``inputs`` (the entries' ``inputs`` tags the trainer can feed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -89,9 +90,31 @@ def list_recipes() -> list[str]:
     )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key written twice in one mapping: PyYAML would keep the
+    last value silently, so the first one, which the user may be reading, would not be used."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is written twice in one section", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"config file {str(path)!r} is not a text file (not UTF-8): give a YAML file"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}".replace("\n", " ")) from None
     if data is None:
@@ -210,6 +233,8 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
     bad = ConfigError(f"config error: {dotted} = {value!r} is not {_type_name(hint)}")
     if hint is Any:
         return value
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every range check, inf most
+        raise ConfigError(f"config error: {dotted} = {value!r} is not a finite number")
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(hint):
             try:
@@ -256,14 +281,17 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, int | float):
-            return float(value)
+        number = value
         if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if not isinstance(number, int | float):
+            raise bad
+        if not math.isfinite(number):
+            raise ConfigError(f"config error: {dotted} = {value!r} is not a finite number")
+        return float(number)
     if hint is str:
         if isinstance(value, str):
             return value
@@ -295,6 +323,13 @@ def _check_value(dotted: str, value: Any, meta: typing.Mapping[str, Any]) -> Any
             registry = ALL_REGISTRIES[meta["registry"]]
             if v not in registry:
                 raise ConfigError(f"config error: {dotted} = {v!r}: {registry.unknown_message(str(v))}")
+            inputs = registry.tag(v, "inputs")
+            if "inputs" in meta and inputs not in meta["inputs"]:
+                fits = registry.names_tagged("inputs", meta["inputs"])
+                raise ConfigError(
+                    f"config error: {dotted} = {v!r} takes {inputs}, but this trainer gives "
+                    f"{' or '.join(meta['inputs'])}: choose one of {', '.join(fits)}"
+                )
     return value
 
 
@@ -363,7 +398,9 @@ def check_device(spec: str, key: str = "device") -> str:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and (count == 0 or (device.index or 0) >= count):
         have = f"cuda:0 to cuda:{count - 1}" if count else "no CUDA device"
-        raise ConfigError(f"config error: {key} = {spec!r} does not exist on this machine ({have}): use cpu or auto")
+        raise ConfigError(
+            f"config error: {key} = {spec!r} does not exist on this machine ({have}): use cpu or auto"
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"config error: {key} = {spec!r}: MPS is not available here; use cpu or auto")
     if device.type not in ("cpu", "cuda", "mps"):

@@ -33,16 +33,29 @@ class Registry(Generic[T]):
         self.kind = kind
         self.doc = doc
         self._entries: dict[str, T] = {}
+        self._tags: dict[str, dict[str, str]] = {}
         ALL_REGISTRIES[kind] = self
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, **tags: str) -> Callable[[T], T]:
+        """Decorator adding an entry; `tags` describe it for config checks (e.g. an advantage
+        estimator's ``inputs``, so that a trainer can refuse one that needs other inputs)."""
+
         def add(obj: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
             self._entries[name] = obj
+            self._tags[name] = dict(tags)
             return obj
 
         return add
+
+    def tag(self, name: str, key: str) -> str | None:
+        """The entry's tag `key`, or None when it has none."""
+        return self._tags.get(name, {}).get(key)
+
+    def names_tagged(self, key: str, values: tuple[str, ...]) -> list[str]:
+        """Entries whose tag `key` is one of `values`."""
+        return [n for n in self.names() if self.tag(n, key) in values]
 
     def get(self, name: str) -> T:
         if name not in self._entries:

@@ -18,7 +18,10 @@ NEEDS_EXTRA = {"pretrain/vla_fetch_reach": "gymnasium_robotics"}  # recipe -> mo
 
 
 def test_recipe_loads_with_overrides():
-    config = load_config("core/tiny_grpo", ["train.lr=1e-5", "seed=3", "rollout.split_positions=[0,2]"])
+    config = load_config(
+        "core/tiny_grpo",
+        ["train.lr=1e-5", "seed=3", "rollout.split_positions=[0,2]", "train.advantage=tree_depthwise"],
+    )
     assert config.train.lr == 1e-5  # YAML 1.1 reads 1e-5 as a string; floats accept it
     assert config.seed == 3
     assert config.rollout.split_positions == [0, 2]
