@@ -199,6 +199,30 @@ def test_hrbench_tsv_rows_and_bad_rows_reported(tmp_path):
     assert load_benchmark(path, limit=2).rows_read == 2
 
 
+def test_tsv_with_bom_crlf_a_huge_field_and_bytes_that_are_not_utf8(tmp_path):
+    good = b64(image_bytes())
+    rows = [hr_row(i, "A", i, good) for i in range(4)]
+    rows[1][1] = "Which of these? " + "x" * 300_000  # over the csv module's default field limit
+    lines = ["\t".join(HR_HEADER)] + ["\t".join(str(v) for v in row) for row in rows]
+    data = "\r\n".join(lines).encode().replace(b"door", b"d\xffor", 1)  # row 0 is not UTF-8
+    path = tmp_path / "hr.tsv"
+    path.write_bytes(b"\xef\xbb\xbf" + data + b"\r\n")
+    bench = load_benchmark(path)
+    assert [r.id for r in bench.rows] == ["1", "2", "3"] and bench.rows[0].question.question.endswith("x")
+    assert bench.rows[0].groups == {"category": "single", "cycle_category": "1"}  # no "\r" left over
+    assert bench.rows[2].question.image.size == (64, 48)
+    assert [(s.row, s.line) for s in bench.skipped] == [(0, 2)] and "not UTF-8" in bench.skipped[0].reason
+    path.write_bytes("\t".join(HR_HEADER).encode().replace(b"question", b"qu\xe9stion") + b"\n")
+    with pytest.raises(ConfigError, match=r"header of .*hr\.tsv' is not UTF-8 text"):
+        load_benchmark(path)
+    path.write_text("\t".join([*HR_HEADER, "answer"]) + "\n")
+    with pytest.raises(ConfigError, match=r"hr\.tsv' repeats the columns \['answer'\]"):
+        load_benchmark(path)
+    path.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"hr\.tsv' is empty"):
+        load_benchmark(path)
+
+
 def test_mme_realworld_tsv_lists_options_in_one_column(tmp_path):
     header = ["index", "question", "multi-choice options", "answer", "category", "l2-category", "image"]
     listed = '"(A) 458\n(B) 457\n(C) 456\n(D) 455\n(E) This image doesn\'t feature the data."'
@@ -461,12 +485,13 @@ def test_eval_vlm_end_to_end(tiny_model, tmp_path, capsys):
     args += ["rollout.max_new_tokens=6", "rollout.max_turns=2", "progress=false", "device=cpu"]
     assert main(["eval", "vlm", *args]) == 0
     printed = capsys.readouterr()
-    assert "skipped at load: row 2 (2): image is not valid base64" in printed.err
+    assert "skipped at load: row 2 (2), line 4: image is not valid base64" in printed.err
     assert "rows: 4 read, 1 skipped, 3 scored" in printed.out
     assert "accuracy per cycle_category, averaged (HR-Bench)" in printed.out
     report = json.loads((out / "eval_vlm.json").read_text())
     assert report["rows_read"] == 4 and report["scored"] == 3 and report["skipped"] == 1
-    assert report["skipped_rows"][0]["row"] == 2 and "base64" in report["skipped_rows"][0]["reason"]
+    assert report["skipped_rows"][0]["row"] == 2 and report["skipped_rows"][0]["line"] == 4
+    assert "base64" in report["skipped_rows"][0]["reason"]
     for mode in ("auto", "never"):
         r = report["results"][mode]
         assert r["scored"] == 3 and r["answered"] + r["unanswered"] == 3
@@ -477,10 +502,22 @@ def test_eval_vlm_end_to_end(tiny_model, tmp_path, capsys):
     assert len(predictions) == 6 and {p["mode"] for p in predictions} == {"auto", "never"}
 
 
+def test_eval_vlm_checks_device_and_output_dir_before_any_work(tmp_path, capsys):
+    path = write_tsv(tmp_path / "hr.tsv", [hr_row(0, "A", 0, b64(image_bytes()))])
+    (tmp_path / "taken").write_text("a file")
+    args = ["eval", "vlm", f"benchmark={path}", f"model={tmp_path / 'no_model'}"]  # never reached
+    assert main([*args, f"output_dir={tmp_path / 'taken'}", "device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config error: output_dir =") and "is a file" in err
+    assert main([*args, f"output_dir={tmp_path / 'out'}", "device=cuda:99"]) == 2
+    err = capsys.readouterr().err
+    assert "device = 'cuda:99' does not exist on this machine" in err and err.count("\n") == 1
+
+
 def test_eval_vlm_config_errors(tmp_path, capsys):
     assert main(["eval", "vlm"]) == 2
     assert "benchmark is empty" in capsys.readouterr().err
-    assert main(["eval", "vlm", f"benchmark={tmp_path / 'nope.tsv'}"]) == 2
+    assert main(["eval", "vlm", f"benchmark={tmp_path / 'nope.tsv'}", f"output_dir={tmp_path / 'out'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["eval", "vlm", "benchmark=x.tsv", "modes=[sometimes]"]) == 2
     assert "modes" in capsys.readouterr().err

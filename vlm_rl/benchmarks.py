@@ -21,9 +21,14 @@ Formats (`format=auto` picks one from the path):
   ["(A) ...", ...], Ground truth, Task, Subtask, Category}``, image paths relative to ``image_root``.
 - ``jsonl`` -- the project's own jsonl of multiple-choice questions (`vlm_rl.tasks.read_row`).
 
-A row that cannot be asked fairly (malformed, missing image, bad base64, an image that does not
-decode, no options, a gold answer that is not an option) is reported with its row number, id and
-reason and left out of the score; how many were left out is printed beside the score and stored.
+Every row read is either scored or reported skipped: a row that cannot be asked fairly (malformed,
+not UTF-8, missing image, an image path that leads outside the benchmark's folder, bad base64, an
+image that does not decode, no options, a gold answer that is not an option) is reported with its
+row number, line, id and reason and left out of the score; how many were left out is printed beside
+the score and stored. A row of a TSV or jsonl is a line (blank lines are not rows); a TSV field in
+quotes may run over line ends, as pandas writes a field holding a line break, but a stray quote never
+swallows the rows after it. Only a whole-file problem (no such path, a TSV header without a needed
+column, an MME-RealWorld file that is not a JSON list, an unreadable file) stops with ConfigError.
 Answers are read by rules (`extract_choice`), never by a model; an output naming no option counts as
 wrong and is counted separately as unanswered.
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
+import codecs
 import csv
 import dataclasses
 import io
@@ -44,17 +50,16 @@ import random
 import re
 import string
 import sys
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from mmrl.config import ConfigError, apply_overrides, build, option
+from mmrl.config import ConfigError, apply_overrides, build, check_device, check_output_dir, option
 from mmrl.registry import EVALUATORS
 from mmrl.rewards import extract_answer
 from vlm_rl.data import Question
@@ -83,6 +88,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".ti
 GROUP_ROWS_PRINTED = 20  # a grouping with more values than this is left to the JSON
 SKIPPED_PRINTED = 20
 SHOWN_CHARS = 400  # model output kept per prediction
+TSV_RECORD_LINES = 1000  # the most lines one quoted TSV field may span
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 Scoring = Literal["accuracy", "hrbench"]
@@ -100,6 +106,7 @@ class BenchmarkRow:
     id: str  # the benchmark's own id (index / question_id / path)
     question: Question
     groups: dict[str, str] = field(default_factory=dict)  # e.g. {"category": "single", "cycle_category": "2"}
+    line: int | None = None  # TSV and jsonl: the file line (from 1) the row starts on
 
 
 @dataclass
@@ -107,10 +114,11 @@ class SkippedRow:
     row: int
     id: str | None
     reason: str
+    line: int | None = None
 
     def __str__(self) -> str:
         name = f"row {self.row}" + (f" ({self.id})" if self.id not in (None, "") else "")
-        return f"{name}: {self.reason}"
+        return f"{name}{'' if self.line is None else f', line {self.line}'}: {self.reason}"
 
 
 @dataclass
@@ -159,16 +167,21 @@ def load_benchmark(
         raise ConfigError(
             f"config error: benchmark {str(path)!r} is not {kind}; format {fmt} expects {EXPECTED[fmt]}"
         )
+    if image_root is not None and not Path(image_root).is_dir():
+        raise ConfigError(f"config error: image_root = {str(image_root)!r} is not an existing folder")
     root = Path(image_root) if image_root is not None else (path if path.is_dir() else path.parent)
-    if fmt == "vstar":
-        return _load_vstar_folder(path, limit, shuffle_options, seed)
-    if fmt == "vstar_jsonl":
-        return _load_vstar_jsonl(path, root, limit)
-    if fmt == "tsv":
-        return _load_tsv(path, limit)
-    if fmt == "mme_realworld":
-        return _load_mme_realworld(path, root, limit)
-    return _load_project_jsonl(path, root, limit)
+    try:
+        if fmt == "vstar":
+            return _load_vstar_folder(path, limit, shuffle_options, seed)
+        if fmt == "vstar_jsonl":
+            return _load_vstar_jsonl(path, root, limit)
+        if fmt == "tsv":
+            return _load_tsv(path, limit)
+        if fmt == "mme_realworld":
+            return _load_mme_realworld(path, root, limit)
+        return _load_project_jsonl(path, root, limit)
+    except OSError as err:  # the file or folder itself (a row's own files are that row's skip)
+        raise ConfigError(f"config error: benchmark {str(path)!r} cannot be read ({err})") from None
 
 
 def detect_format(path: Path) -> str:
@@ -188,11 +201,12 @@ def detect_format(path: Path) -> str:
     if suffix == ".json":
         return "mme_realworld"
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as file:
-            first = next((line for line in file if line.strip()), "")
         try:
-            keys = json.loads(first)
-        except json.JSONDecodeError:
+            first = next((raw for _, _, raw in _lines(path) if raw.strip()), b"")
+            keys = _parse_json(first.decode("utf-8", errors="replace"))
+        except OSError as err:
+            raise ConfigError(f"config error: benchmark {str(path)!r} cannot be read ({err})") from None
+        except RowError:
             keys = {}
         return "vstar_jsonl" if isinstance(keys, dict) and {"text", "label"} <= keys.keys() else "jsonl"
     raise ConfigError(
@@ -228,53 +242,89 @@ def _question(
     return Question(text.strip(), tuple(o.strip() for o in options), answer, load_image, "", category)
 
 
+def _inside(root: Path, path: Path) -> Path:
+    """`path` with its links followed, or a RowError if that leads outside `root`: a benchmark file
+    must not make the evaluator open ``../../etc/passwd``, an absolute path elsewhere, or a link out."""
+    try:
+        resolved, base = path.resolve(), root.resolve()
+    except (OSError, ValueError, RuntimeError) as err:  # a NUL byte, a link loop
+        raise RowError(f"path {str(path)!r} cannot be resolved ({err})") from None
+    if not resolved.is_relative_to(base):
+        raise RowError(f"path {str(path)!r} leads outside {str(base)!r} (to {str(resolved)!r}); refused")
+    return resolved
+
+
 def _image_file(root: Path, relative: Any) -> Path:
     if not isinstance(relative, str) or not relative.strip():
         raise RowError(f"no image path (got {relative!r})")
-    path = root / relative
+    path = _inside(root, root / relative)
     if not path.is_file():
         raise RowError(f"image {relative!r} not found at {path}")
     return path
 
 
+def _read_json_file(path: Path) -> Any:
+    """A whole JSON file (a UTF-8 BOM allowed); RowError saying why it cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise RowError(f"{path.name} is not UTF-8 text ({err})") from None
+    except OSError as err:
+        raise RowError(f"{path.name} cannot be read ({err})") from None
+    return _parse_json(text, path.name)
+
+
+def _parse_json(text: str, what: str = "the line") -> Any:
+    """json.loads with every way it fails (bad syntax, a number too long, nesting too deep) a RowError."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise RowError(f"{what} is not valid JSON ({type(err).__name__}: {err})") from None
+
+
 def _load_vstar_folder(root: Path, limit: int | None, shuffle: bool, seed: int) -> Benchmark:
+    """One row per name in the category folders that has an image or a ``.json`` (or both)."""
     folders = [root / category for category in VSTAR_CATEGORIES if (root / category).is_dir()]
     if not folders:
         raise ConfigError(f"config error: {str(root)!r} is not {EXPECTED['vstar']}")
     rows: list[BenchmarkRow] = []
     skipped: list[SkippedRow] = []
-    images: dict[tuple[str, str], Path] = {}
+    images: dict[tuple[str, str], list[Path]] = defaultdict(list)
     notes: dict[tuple[str, str], Path] = {}
     for folder in folders:
         for file in folder.iterdir():
             if file.suffix.lower() == ".json":
                 notes[folder.name, file.stem] = file
             elif file.suffix.lower() in IMAGE_SUFFIXES:
-                images[folder.name, file.stem] = file
+                images[folder.name, file.stem].append(file)
     keys = sorted(images.keys() | notes.keys(), key=lambda k: (VSTAR_CATEGORIES.index(k[0]), k[1]))
     for index, (category, stem) in enumerate(keys[:limit]):
         qid = f"{category}/{stem}"
         try:
-            image, annotation = images.get((category, stem)), notes.get((category, stem))
+            found, annotation = sorted(images.get((category, stem), [])), notes.get((category, stem))
             if annotation is None:
                 raise RowError(f"image without its annotation {stem}.json")
-            if image is None:
+            if not found:
                 raise RowError(f"annotation without an image {stem}.jpg beside it")
-            try:
-                data = json.loads(annotation.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise RowError(f"{annotation.name} is not valid JSON ({err})") from None
+            if len(found) > 1:
+                raise RowError(f"{len(found)} images for one annotation: {[f.name for f in found]}")
+            image = _inside(root, found[0])
+            if not image.is_file():
+                raise RowError(f"{found[0].name} is not a file")
+            data = _read_json_file(_inside(root, annotation))
             if not isinstance(data, dict):
                 raise RowError(f"{annotation.name} must hold a JSON object")
-            options = data.get("options")
+            options, text = data.get("options"), data.get("question")
             if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
                 raise RowError(f"'options' must be a list of strings, got {options!r}")
+            if not isinstance(text, str):
+                raise RowError(f"'question' must be a string, got {text!r}")
             order = list(range(len(options)))
             if shuffle:  # options[0] is the right one in the files
                 random.Random(f"{seed}/{qid}").shuffle(order)
             shown = [options[i] for i in order]
             answer = string.ascii_uppercase[order.index(0)] if order else ""
-            question = _question(str(data.get("question") or ""), shown, answer, _file_image(image), category)
+            question = _question(text, shown, answer, _file_image(image), category)
             rows.append(BenchmarkRow(index, qid, question, {"category": category}))
         except RowError as err:
             skipped.append(SkippedRow(index, qid, str(err)))
@@ -303,32 +353,53 @@ def split_options(text: str) -> tuple[str, list[str]]:
     return text[: marks[0].start()].strip(), options
 
 
-def _json_lines(path: Path, limit: int | None) -> Iterator[tuple[int, Any | RowError]]:
-    """(row, parsed object or the RowError saying why not) for the first `limit` non-blank lines."""
-    with path.open(encoding="utf-8", errors="replace") as file:
-        row = 0
-        for line in file:
-            if not line.strip():
-                continue
-            if limit is not None and row >= limit:
-                return
-            try:
-                yield row, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield row, RowError(f"not valid JSON ({err})")
-            row += 1
+def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(line number from 1, byte offset, bytes with the line end) of every line split at b"\\n"; a
+    UTF-8 BOM at the start of the file is not part of the first line."""
+    with path.open("rb") as file:
+        offset = 0
+        for number, line in enumerate(file, 1):
+            bom = len(codecs.BOM_UTF8) if number == 1 and line.startswith(codecs.BOM_UTF8) else 0
+            yield number, offset + bom, line[bom:]
+            offset += len(line)
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RowError(f"not UTF-8 text ({err})") from None
+
+
+def _json_lines(path: Path, limit: int | None) -> Iterator[tuple[int, int, str | RowError]]:
+    """(row, line number, the line's text or the RowError saying why it has none) for the first
+    `limit` non-blank lines."""
+    row = 0
+    for number, _, raw in _lines(path):
+        if not raw.strip():
+            continue
+        if limit is not None and row >= limit:
+            return
+        try:
+            text: str | RowError = _utf8(raw)
+        except RowError as err:
+            text = err
+        yield row, number, text
+        row += 1
 
 
 def _load_vstar_jsonl(path: Path, root: Path, limit: int | None) -> Benchmark:
     rows: list[BenchmarkRow] = []
     skipped: list[SkippedRow] = []
-    for index, item in _json_lines(path, limit):
-        qid = str(item.get("question_id", "")) if isinstance(item, dict) else None
+    for index, number, line in _json_lines(path, limit):
+        qid = None
         try:
-            if isinstance(item, RowError):
-                raise item
+            if isinstance(line, RowError):
+                raise line
+            item = _parse_json(line)
             if not isinstance(item, dict):
                 raise RowError(f"expected a JSON object, got {type(item).__name__}")
+            qid = str(item.get("question_id", ""))
             text = item.get("text")
             if not isinstance(text, str):
                 raise RowError(f"no 'text' (got {text!r})")
@@ -344,10 +415,11 @@ def _load_vstar_jsonl(path: Path, root: Path, limit: int | None) -> Benchmark:
                     qid or str(index),
                     _question(question, options, label, _file_image(image), category),
                     {"category": category} if category else {},
+                    number,
                 )
             )
         except RowError as err:
-            skipped.append(SkippedRow(index, qid, str(err)))
+            skipped.append(SkippedRow(index, qid, str(err), number))
     return Benchmark(path, "vstar_jsonl", rows, skipped)
 
 
@@ -364,11 +436,10 @@ _LABEL = re.compile(r"\s*\(([A-Za-z])\)\s*(.*)", re.DOTALL)
 
 def _load_mme_realworld(path: Path, root: Path, limit: int | None) -> Benchmark:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = _read_json_file(path)
+    except RowError as err:
         raise ConfigError(
-            f"config error: benchmark {str(path)!r} is not valid JSON ({err}); "
-            f"expected {EXPECTED['mme_realworld']}"
+            f"config error: benchmark {str(path)!r}: {err}; expected {EXPECTED['mme_realworld']}"
         ) from None
     if not isinstance(data, list):
         raise ConfigError(
@@ -412,74 +483,129 @@ def _load_mme_realworld(path: Path, root: Path, limit: int | None) -> Benchmark:
 def _load_project_jsonl(path: Path, root: Path, limit: int | None) -> Benchmark:
     rows: list[BenchmarkRow] = []
     skipped: list[SkippedRow] = []
-    with path.open(encoding="utf-8", errors="replace") as file:
-        lines = [line for line in file if line.strip()][:limit]
-    for index, line in enumerate(lines):
+    for index, number, line in _json_lines(path, limit):
+        qid = None
         try:
+            if isinstance(line, RowError):
+                raise line
+            parsed = _parse_json(line)  # read_row reads it again, but only catches bad syntax
+            if isinstance(parsed, dict):
+                qid = None if parsed.get("question_id") is None else str(parsed["question_id"])
+                if isinstance(parsed.get("image"), str):
+                    _inside(root, root / parsed["image"])  # before read_row looks for the file
             item = read_row(line, index, root)
             question = _question(
                 item.question, item.options, item.answer, _file_image(item.image_path), item.category
             )
-        except ValueError as err:  # read_row's messages already name the row
+        except ValueError as err:  # RowError, and read_row's messages, which already name the row
             message = re.sub(r"^row \d+( \(question_id=[^)]*\))?: ", "", str(err))
-            match = re.search(r"question_id='([^']*)'", str(err))
-            skipped.append(SkippedRow(index, match.group(1) if match else None, message))
+            skipped.append(SkippedRow(index, qid, message, number))
             continue
         kind = {True: "detail", False: "global", None: ""}[item.needs_zoom]
         question = dataclasses.replace(question, kind=kind, target_box=item.target_box)
         groups = {k: v for k, v in (("category", item.category), ("kind", kind)) if v}
-        rows.append(BenchmarkRow(index, item.question_id, question, groups))
+        rows.append(BenchmarkRow(index, item.question_id, question, groups, number))
     return Benchmark(path, "jsonl", rows, skipped)
 
 
 # -- TSV ---------------------------------------------------------------------------------------
 
 
-def _split_tsv(text: str) -> list[str]:
-    """One TSV record (quoted fields may hold tabs, doubled quotes and newlines) -> its fields."""
+def _csv_fields(text: str) -> list[str] | None:
+    """The fields of `text` read as one well-formed TSV record (quoting undone), or None if it is not."""
     limit = csv.field_size_limit()
     csv.field_size_limit(max(limit, len(text) + 1))  # a base64 image is megabytes long
     try:
-        records = list(csv.reader(io.StringIO(text, newline=""), delimiter="\t"))
+        records = list(csv.reader(io.StringIO(text, newline=""), delimiter="\t", strict=True))
+    except csv.Error:
+        return None
     finally:
         csv.field_size_limit(limit)
-    if len(records) != 1:
-        raise RowError("not one TSV record (a stray quote?)")
-    return records[0]
+    return records[0] if len(records) == 1 else None
 
 
-def _tsv_records(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """(byte offset, length, raw bytes) of each record after the header line, without its line end.
+def _tsv_fields(text: str, width: int) -> list[str]:
+    """One record -> its `width` fields. Quoting as pandas writes it ("..." around a field holding a
+    tab, a quote or a line break, quotes doubled) is undone; a record whose quotes are not well-formed
+    (a stray " in a question) is split at its tabs, its quotes kept as text."""
+    fields = _csv_fields(text)
+    if fields is not None and len(fields) == width:
+        return fields
+    fields = text.split("\t")
+    if len(fields) != width:
+        raise RowError(f"malformed: {len(fields)} tab-separated fields, the header has {width}")
+    return fields
 
-    A record continues over line ends while it holds an odd number of quotes (an open quoted
-    field); blank lines are skipped."""
-    with path.open("rb") as file:
-        offset = len(file.readline())
-        start, pending = offset, b""
-        for line in file:
-            pending += line
-            offset += len(line)
-            if pending.count(b'"') % 2:  # inside a quoted field: the record goes on
+
+def _ends_in_quotes(raw: bytes, inside: bool) -> bool:
+    """Whether a quoted field is open at the end of `raw` (which starts inside one if `inside`). A
+    quote opens a field only at the field's start; inside, a doubled quote is text, a single one
+    closes it. Only the quotes are visited, so a line of megabytes costs little."""
+    at = raw.find(b'"')
+    while at != -1:
+        if inside:
+            if raw[at + 1 : at + 2] == b'"':
+                at = raw.find(b'"', at + 2)
                 continue
-            raw = pending.rstrip(b"\r\n")
-            if raw.strip():
-                yield start, len(raw), raw
-            start, pending = offset, b""
-        if pending.strip():
-            yield start, len(pending.rstrip(b"\r\n")), pending.rstrip(b"\r\n")
+            inside = False
+        elif at == 0 or raw[at - 1 : at] == b"\t":
+            inside = True
+        at = raw.find(b'"', at + 1)
+    return inside
+
+
+def _tsv_records(lines: Iterator[tuple[int, int, bytes]], width: int) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, raw bytes without the final line end) of each non-blank record.
+
+    A record is a line, or lines joined while a quoted field opened on the first line stays open,
+    if the lines joined make one well-formed record of `width` fields, none of the lines after the
+    first has `width` fields by itself (a row of its own, which a stray quote must not swallow) and
+    they are at most TSV_RECORD_LINES. Otherwise the first line is a record alone and the next line
+    starts the next one: a line is never lost."""
+    pending: deque[tuple[int, int, bytes]] = deque()  # lines read ahead by a join that failed
+
+    def read() -> tuple[int, int, bytes] | None:
+        return pending.popleft() if pending else next(lines, None)
+
+    while (line := read()) is not None:
+        number, offset, first = line
+        if not first.strip():
+            continue
+        taken = [line]
+        inside = _ends_in_quotes(first.rstrip(b"\r\n"), False)
+        while inside and len(taken) < TSV_RECORD_LINES and (following := read()) is not None:
+            taken.append(following)
+            text = following[2].rstrip(b"\r\n")
+            if text.count(b"\t") + 1 == width:  # a row of its own: the quote was a stray one
+                break
+            inside = _ends_in_quotes(text, True)
+        raw = b"".join(item[2] for item in taken).rstrip(b"\r\n")
+        if len(taken) > 1 and (inside or not _one_record(raw, width)):
+            pending.extendleft(reversed(taken[1:]))
+            raw = first.rstrip(b"\r\n")
+        yield number, offset, raw
+
+
+def _one_record(raw: bytes, width: int) -> bool:
+    try:
+        fields = _csv_fields(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
+    return fields is not None and len(fields) == width
 
 
 class _TsvImage:
     """Reads one record's base64 image from the file when called: nothing stays in memory."""
 
-    def __init__(self, path: Path, offset: int, length: int, column: int) -> None:
-        self.path, self.offset, self.length, self.column = path, offset, length, column
+    def __init__(self, path: Path, offset: int, length: int, column: int, width: int) -> None:
+        self.path, self.offset, self.length, self.column, self.width = path, offset, length, column, width
 
     def data(self) -> bytes:
         with self.path.open("rb") as file:
             file.seek(self.offset)
             raw = file.read(self.length)
-        return base64.b64decode(_split_tsv(raw.decode("utf-8"))[self.column].strip(), validate=True)
+        encoded = _tsv_fields(raw.decode("utf-8"), self.width)[self.column].strip()
+        return base64.b64decode(encoded, validate=True)
 
     def __call__(self) -> Image.Image:
         with Image.open(io.BytesIO(self.data())) as image:
@@ -516,7 +642,7 @@ def _listed(text: str) -> list[str]:
     if text.startswith("[") and text.endswith("]"):
         try:
             items = ast.literal_eval(text)  # literals only: nothing is executed
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
             items = None
         if isinstance(items, list) and all(isinstance(item, str) for item in items):
             text = "\n".join(items)
@@ -524,12 +650,17 @@ def _listed(text: str) -> list[str]:
 
 
 def _load_tsv(path: Path, limit: int | None) -> Benchmark:
-    with path.open("rb") as file:
-        header_raw = file.readline()
+    lines = _lines(path)
+    header_line = next(lines, None)
+    if header_line is None:
+        raise ConfigError(f"config error: {str(path)!r} is empty; expected {EXPECTED['tsv']}")
     try:
-        header = [name.strip() for name in _split_tsv(header_raw.decode("utf-8-sig").rstrip("\r\n"))]
-    except (UnicodeDecodeError, RowError):
-        header = []
+        text = header_line[2].decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config error: the header of {str(path)!r} is not UTF-8 text ({err}); save the file as UTF-8"
+        ) from None
+    header = [name.strip() for name in _csv_fields(text) or text.split("\t")]
     letters = [letter for letter in string.ascii_uppercase if letter in header]
     listed = not {"A", "B"} <= set(letters)  # MME-RealWorld's TSV: one column of "(A) ..." lines
     missing = [name for name in ("question", "answer", "image") if name not in header]
@@ -540,29 +671,26 @@ def _load_tsv(path: Path, limit: int | None) -> Benchmark:
             f"config error: {str(path)!r} is not a benchmark TSV: its header lacks {missing} "
             f"(header: {header[:12]!r}); expected {EXPECTED['tsv']}"
         )
+    repeated = sorted(name for name, count in Counter(header).items() if count > 1 and name)
+    if repeated:
+        raise ConfigError(f"config error: the header of {str(path)!r} repeats the columns {repeated}")
     column = {name: i for i, name in enumerate(header)}
     group_names = [name for name in ("category", "l2-category", "cycle_category") if name in column]
     rows: list[BenchmarkRow] = []
     skipped: list[SkippedRow] = []
     images: dict[str, _TsvImage] = {}  # index -> where that row's image is (for rows that refer to it)
     references: list[tuple[BenchmarkRow, str]] = []
-    for index, (offset, length, raw) in enumerate(_tsv_records(path)):
+    for index, (number, offset, raw) in enumerate(_tsv_records(lines, len(header))):
         if limit is not None and index >= limit:
             break
         qid: str | None = None
         try:
-            try:
-                fields = _split_tsv(raw.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                raise RowError(f"not UTF-8 text ({err})") from None
-            if len(fields) != len(header):
-                raise RowError(f"malformed: {len(fields)} tab-separated fields, the header has {len(header)}")
-            value = dict(zip(header, fields, strict=True))
+            value = dict(zip(header, _tsv_fields(_utf8(raw), len(header)), strict=True))
             qid = value.get("index", "").strip() or str(index)
             options = _listed(value[MULTI_CHOICE]) if listed else _tsv_options(value, letters)
             encoded = value["image"].strip()
             reference = encoded if encoded.isdigit() and len(encoded) <= 64 else None
-            loader = _TsvImage(path, offset, length, column["image"])
+            loader = _TsvImage(path, offset, len(raw), column["image"], len(header))
             if reference is None:
                 _check_image_bytes(encoded)
                 images[qid] = loader
@@ -570,20 +698,19 @@ def _load_tsv(path: Path, limit: int | None) -> Benchmark:
             question = _question(
                 value["question"], options, value["answer"], loader, groups.get("category", "")
             )
-            row = BenchmarkRow(index, qid, question, groups)
+            row = BenchmarkRow(index, qid, question, groups, number)
             rows.append(row)
             if reference is not None:
                 references.append((row, reference))
         except RowError as err:
-            skipped.append(SkippedRow(index, qid, str(err)))
+            skipped.append(SkippedRow(index, qid, str(err), number))
     for row, reference in references:  # VLMEvalKit stores a repeated image once, others give its index
         if reference in images:
             row.question = dataclasses.replace(row.question, load_image=images[reference])
         else:
             rows.remove(row)
-            skipped.append(
-                SkippedRow(row.row, row.id, f"image refers to index {reference}, which holds no image")
-            )
+            reason = f"image refers to index {reference}, which holds no image"
+            skipped.append(SkippedRow(row.row, row.id, reason, row.line))
     skipped.sort(key=lambda s: s.row)
     scoring: Scoring = "hrbench" if "cycle_category" in column else "accuracy"
     return Benchmark(path, "tsv", rows, skipped, scoring)
@@ -661,7 +788,7 @@ def run_benchmark(
     for row in rows:
         if len(row.question.options) > len(OPTION_LETTERS):
             reason = f"{len(row.question.options)} options: at most {len(OPTION_LETTERS)} can be lettered"
-            skipped.append(SkippedRow(row.row, row.id, reason))
+            skipped.append(SkippedRow(row.row, row.id, reason, row.line))
             continue
         askable.append(row)
     bar = tqdm(total=len(askable) * len(modes), desc="eval vlm", disable=not progress, unit="rollout")
@@ -671,9 +798,8 @@ def run_benchmark(
             try:
                 image = _load_image(row)
             except IMAGE_ERRORS as err:
-                skipped.append(
-                    SkippedRow(row.row, row.id, f"image fails to decode ({type(err).__name__}: {err})")
-                )
+                reason = f"image fails to decode ({type(err).__name__}: {err})"
+                skipped.append(SkippedRow(row.row, row.id, reason, row.line))
                 continue
             batch.append(row)
             images.append(image)
@@ -824,6 +950,7 @@ def resolve_model(model: str | None) -> Path:
 
 
 def load_model(path: Path, device: str) -> VLMAdapter:
+    """The checkpoint at `path` on `device` (one `check_device` resolved), in eval mode."""
     try:
         adapter = VLMAdapter.from_pretrained(path)
     except (FileNotFoundError, OSError, ValueError) as err:
@@ -831,8 +958,6 @@ def load_model(path: Path, device: str) -> VLMAdapter:
             f"config error: model = {str(path)!r} cannot be loaded: {err}; give model= a local checkpoint "
             "folder (config.json, weights, tokenizer, preprocessor_config.json) or run `mmrl pretrain vlm`"
         ) from None
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     adapter.to(device)
     adapter.model.eval()
     return adapter
@@ -857,12 +982,15 @@ def evaluate_vlm(cfg: VLMEvalConfig) -> dict[str, Any]:
         raise ConfigError(f"config error: benchmark is empty; pass benchmark=PATH, one of: {expected}")
     if not cfg.modes:
         raise ConfigError(f"config error: modes is empty; choose from {', '.join(TOOL_MODES)}")
+    # checked before the benchmark and the model are read, so that a bad value fails at once
+    device = check_device(cfg.device, "device")
+    out = check_output_dir(cfg.output_dir, "output_dir")
     bench = load_benchmark(
         cfg.benchmark, cfg.format, cfg.image_root, cfg.limit, cfg.shuffle_options, cfg.seed
     )
     print_skipped(bench.skipped, "at load")
     model_path = resolve_model(cfg.model)
-    adapter = load_model(model_path, cfg.device)
+    adapter = load_model(model_path, device)
     modes = list(dict.fromkeys(cfg.modes))
     results, late = run_benchmark(adapter, bench.rows, cfg.rollout, modes, cfg.batch_size, cfg.progress)
     print_skipped(late, "while evaluating")
@@ -886,8 +1014,6 @@ def evaluate_vlm(cfg: VLMEvalConfig) -> dict[str, Any]:
         "rollout": dataclasses.asdict(cfg.rollout),
         "results": score_results(results, modes, bench.scoring),
     }
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "eval_vlm.json").write_text(json.dumps(_finite(report), indent=1))
     with (out / "eval_vlm_predictions.jsonl").open("w") as file:
         for result in results:
