@@ -32,6 +32,7 @@ def rollout(env, seed, actions):
     return np.stack(states)
 
 
+@needs_rendering  # check_env also renders every mode in the env's metadata
 @pytest.mark.parametrize("task", TASK_IDS)
 @pytest.mark.parametrize("options", [{}, {"randomize": True, "distractors": 2}])
 def test_env_checker_state(task, options):

@@ -198,6 +198,7 @@ def test_behaviour_cloning_steps_reduce_the_loss(demos):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@needs_rendering
 def test_the_auxiliary_head_learns_object_positions_from_the_image(demos):
     layout = sim.make("PickPlace").get_wrapper_attr("state_layout")
     index = object_positions(layout, 9)

@@ -292,12 +292,22 @@ def habc_advantages(
     gamma_e: float,
     k: float,
     tau: float,
+    chunks: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """A_v, A_e (one-step, each with its own reward, values and terminal flags), the gate g from
-    V_v(s), and A = (1 - g) A_v + g A_e."""
+    V_v(s), and A = (1 - g) A_v + g A_e, one entry per transition.
+
+    With `chunks` (`executed_chunks`' decisions, rows, executed) one entry per decision instead: A_v
+    and A_e are the chunk's advantages (`chunk_advantage`) and g is read at the state where the chunk
+    was sampled, so per-step and per-chunk weighting share one gate mix."""
     a_v = one_step_advantage(r_v, v, v_next, done_v, gamma_v)
     a_e = one_step_advantage(r_e, e, e_next, done_e, gamma_e)
     g = gate(v, k, tau)
+    if chunks is not None:
+        decisions, rows, executed = chunks
+        a_v = chunk_advantage(a_v, rows, executed, gamma_v)
+        a_e = chunk_advantage(a_e, rows, executed, gamma_e)
+        g = g[decisions]
     return {"a_v": a_v, "a_e": a_e, "gate": g, "advantage": (1 - g) * a_v + g * a_e}
 
 
@@ -706,26 +716,25 @@ class VLAHABCTrainer(Trainer):
             logit_next, u_next = self.critics(tr.next_state)
         r_v, done_v = viability_rewards(tr)
         r_e, done_e = efficiency_rewards(tr, c.gamma_e)
+        chunks = executed_chunks(tr.chunk_step, tr.seg_left, self.horizon) if a.per_chunk else None
         out = habc_advantages(
             r_v, torch.sigmoid(logit), torch.sigmoid(logit_next), done_v, r_e, u, u_next, done_e,
-            c.gamma_v, c.gamma_e, h.gate_k, h.gate_tau,
+            c.gamma_v, c.gamma_e, h.gate_k, h.gate_tau, chunks,
         )  # fmt: skip
         policy = ~tr.intervention
         weights = torch.full((len(tr),), h.intervention_weight)
         stats: dict[str, Any] = {}
         if not policy.any():
             return weights, tr.actor_rows, stats
-        if a.per_chunk:  # A = (1 - g(s_t)) A_v + g(s_t) A_e over each decision's executed steps
-            decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, self.horizon)
-            a_v = chunk_advantage(out["a_v"], rows, executed, c.gamma_v)
-            a_e = chunk_advantage(out["a_e"], rows, executed, c.gamma_e)
-            g = out["gate"][decisions]
-            advantage = (1 - g) * a_v + g * a_e
-            w = advantage_weights(advantage, a.beta, a.w_max, a.normalize)
+        # per chunk: one entry per decision; per step: one per transition, of which the policy's count
+        a_v, a_e, g, advantage = (
+            out[k] if chunks is not None else out[k][policy] for k in ("a_v", "a_e", "gate", "advantage")
+        )
+        w = advantage_weights(advantage, a.beta, a.w_max, a.normalize)
+        if chunks is not None:  # a decision's weight on every step executed from its chunk
+            _, rows, executed = chunks
             weights[rows[executed]] = w[:, None].expand_as(rows)[executed]
         else:
-            a_v, a_e, g, advantage = (out[k][policy] for k in ("a_v", "a_e", "gate", "advantage"))
-            w = advantage_weights(advantage, a.beta, a.w_max, a.normalize)
             weights[policy] = w
         stats = {
             "gate_mean": float(g.mean()),
