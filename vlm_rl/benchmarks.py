@@ -376,7 +376,7 @@ def _json_lines(path: Path, limit: int | None) -> Iterator[tuple[int, int, str |
     `limit` non-blank lines."""
     row = 0
     for number, _, raw in _lines(path):
-        if not raw.strip():
+        if not raw or raw.isspace():
             continue
         if limit is not None and row >= limit:
             return
@@ -569,7 +569,7 @@ def _tsv_records(lines: Iterator[tuple[int, int, bytes]], width: int) -> Iterato
 
     while (line := read()) is not None:
         number, offset, first = line
-        if not first.strip():
+        if not first or first.isspace():
             continue
         taken = [line]
         inside = _ends_in_quotes(first.rstrip(b"\r\n"), False)
