@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 STEP_PREFIX = "step_"
@@ -186,34 +187,100 @@ def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def remove_unfinished_writes(checkpoint_dir: Path) -> list[Path]:
+    """Delete the temporary folders that killed writers left behind; return what was removed.
+    Only one process writes a run's checkpoints, so call this before it starts writing."""
+    if not checkpoint_dir.is_dir():
+        return []
+    leftovers = [
+        p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{STEP_PREFIX}")
+    ]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
 def verify_checkpoint(path: Path) -> str | None:
-    """None if every file matches the manifest, else what is wrong."""
+    """None if the folder is a complete checkpoint whose files match the manifest, else what is wrong.
+
+    The manifest's own file list is not trusted: it must name ``state.json`` and every other file
+    of the folder, so a manifest emptied or cut short does not vouch for files it does not cover."""
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
         return "manifest.json is missing (the write did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         return "manifest.json is unreadable"
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in files.items()
+    ):
+        return "manifest.json's file list is not a mapping of file names to SHA-256 digests"
+    if manifest.get("step") != _folder_step(path):
+        return f"manifest.json names step {manifest.get('step')!r}, not the folder's"
+    if "state.json" not in files:
+        return "manifest.json does not list state.json"
+    on_disk = {p.name for p in path.iterdir() if p.name != "manifest.json"}
+    unlisted = sorted(on_disk - files.keys())
+    if unlisted:
+        return f"manifest.json does not list {', '.join(unlisted)}"
     for name, digest in files.items():
         file = path / name
-        if not file.is_file():
+        if Path(name).name != name or not file.is_file():
             return f"{name} is missing"
         if _sha256(file) != digest:
             return f"{name} does not match its checksum (corrupt or partly written)"
     return None
 
 
+def _folder_step(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix(STEP_PREFIX))
+    except ValueError:
+        return None
+
+
+class NoUsableCheckpoint(Exception):
+    """Checkpoints exist but none verifies and loads; `problems` says what is wrong with each."""
+
+    def __init__(self, checkpoint_dir: Path, problems: list[tuple[Path, str]]) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.problems = problems
+        listed = "; ".join(f"{p.name}: {why}" for p, why in problems)
+        super().__init__(f"every checkpoint in {checkpoint_dir} is corrupt ({listed})")
+
+
 def load_latest_checkpoint(checkpoint_dir: Path) -> Checkpoint | None:
-    """The newest checkpoint that verifies; warn about each newer one that does not."""
+    """The newest checkpoint that verifies and loads, warning about each newer one that does not;
+    None when there is none at all. Raises NoUsableCheckpoint when there are checkpoints and every
+    one is corrupt, so that a caller never mistakes that for a fresh run."""
+    problems = []
     for path in reversed(list_checkpoints(checkpoint_dir)):
         problem = verify_checkpoint(path)
-        if problem:
-            warnings.warn(f"skipping checkpoint {path}: {problem}; trying the previous one", stacklevel=2)
-            continue
-        return load_checkpoint(path)
+        if problem is None:
+            try:
+                return load_checkpoint(path)
+            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
+                problem = f"cannot be read ({type(err).__name__}: {err})"
+        warnings.warn(f"skipping checkpoint {path}: {problem}; trying the previous one", stacklevel=2)
+        problems.append((path, problem))
+    if problems:
+        raise NoUsableCheckpoint(checkpoint_dir, problems)
     return None
+
+
+def set_aside(checkpoint_dir: Path, paths: list[Path]) -> Path:
+    """Move unusable checkpoint folders into ``checkpoint_dir/corrupt/`` (kept for inspection, out
+    of the way of new checkpoints of the same steps); return that folder."""
+    aside = checkpoint_dir / "corrupt"
+    aside.mkdir(exist_ok=True)
+    for path in paths:
+        target = aside / path.name
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(path, target)
+    return aside
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -228,6 +295,20 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
-    """Copy the checkpoint's weights into `model` (strict: every key must match)."""
+    """Copy the checkpoint's weights into `model`; every key and shape must match, else a ValueError
+    that names the differences (the run's config builds another model than the one saved)."""
     weights = load_file(checkpoint.path / "model.safetensors")
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    reshaped = sorted(k for k in expected.keys() & weights.keys() if expected[k].shape != weights[k].shape)
+    if missing or unexpected or reshaped:
+        parts = [
+            f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", reshaped))
+            if keys
+        ]
+        raise ValueError(
+            f"checkpoint {checkpoint.path} holds another model than the config builds ({'; '.join(parts)})"
+        )
     model.load_state_dict(weights, strict=True)

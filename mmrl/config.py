@@ -52,6 +52,14 @@ class BaseConfig:
     eval_every: int = option(
         0, "steps between held-out evaluations logged as eval_<metric> (0: only before and after)", min=0
     )
+    discard_corrupt_checkpoints: bool = option(
+        False,
+        "with resume=true, when every checkpoint is corrupt: move them to checkpoints/corrupt/ "
+        "and start at step 0 (otherwise the run refuses)",
+    )
+    collective_warn_seconds: float = option(
+        300.0, "log a line when a process has waited this long for the others (paused or dead rank)", min=1.0
+    )
     tensorboard: bool = option(False, "also write TensorBoard event files")
     progress: bool = option(True, "show progress bars")
 

@@ -23,20 +23,25 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from mmrl.checkpoint import (
+    Checkpoint,
+    NoUsableCheckpoint,
     list_checkpoints,
     load_latest_checkpoint,
     load_model_weights,
+    remove_unfinished_writes,
     rng_state,
     save_checkpoint,
+    set_aside,
     set_rng_state,
 )
-from mmrl.config import BaseConfig, ConfigError, save_config, to_dict
+from mmrl.config import BaseConfig, ConfigError, check_output_dir, save_config, to_dict
 from mmrl.runlog import MetricsLog
+from mmrl.watch import CollectiveWatch
 
 
 class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. NaN losses in a row, reward server down). The trainer saves a
-    checkpoint of the last completed step and records the reason in ``stopped.json``."""
+    """The run cannot go on (e.g. NaN losses in a row, NaN weights, reward server down). The trainer
+    records the reason and the checkpoint to resume from in ``stopped.json``; the message says both."""
 
 
 class Trainer:
@@ -55,6 +60,10 @@ class Trainer:
         self.samples_dir = self.run_dir / "samples"
         self.nan_streak = 0  # non-finite steps in a row (see `skip_step`)
         self.skipped_steps = 0
+        self.resume_from: Checkpoint | None = None  # found by `prepare_run_dir`, loaded by `restore`
+        self.watch = CollectiveWatch(
+            config.collective_warn_seconds, self.accelerator.process_index, self.accelerator.num_processes
+        )
 
     # -- what a trainer implements ------------------------------------------------------------
 
@@ -91,24 +100,75 @@ class Trainer:
         torch.manual_seed(seed)
 
     def prepare_run_dir(self) -> None:
+        """Check the run directory and the checkpoint to resume from before any work, then write
+        the config: a mistake fails here, in one line, instead of after training steps."""
+        check_output_dir(self.run_dir, "output_dir")
+        for folder in (self.checkpoint_dir, self.samples_dir):
+            if folder.exists():
+                check_output_dir(folder, f"output_dir (its {folder.name}/ folder)")
         has_checkpoints = bool(list_checkpoints(self.checkpoint_dir))
         if has_checkpoints and not self.config.resume:
             raise ConfigError(
                 f"run directory {str(self.run_dir)!r} already has checkpoints: pass resume=true "
                 "(or --resume) to continue it, or choose a new output_dir=..."
             )
+        if self.config.resume:
+            self.resume_from = self.find_resume_checkpoint()
+        self.accelerator.wait_for_everyone()  # every rank has read the checkpoints before any is moved
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            removed = remove_unfinished_writes(self.checkpoint_dir)
+            if removed:
+                print(f"removed {len(removed)} unfinished checkpoint write(s) in {self.checkpoint_dir}")
             self.samples_dir.mkdir(exist_ok=True)
             saved = self.run_dir / "config.yaml"
             if self.config.resume and saved.is_file():
                 warn_config_changes(saved, self.config)
             save_config(self.config, saved)
-        self.accelerator.wait_for_everyone()
+        with self.watch.phase("the barrier after preparing the run directory"):
+            self.accelerator.wait_for_everyone()
+
+    def find_resume_checkpoint(self) -> Checkpoint | None:
+        """The newest good checkpoint, checked against this launch; None to start at step 0.
+
+        Every checkpoint corrupt is refused unless ``discard_corrupt_checkpoints=true`` (then they
+        are moved to ``checkpoints/corrupt/``); so is a checkpoint written by another number of
+        processes, whose ranks drew other data and would continue on another trajectory."""
+        try:
+            checkpoint = load_latest_checkpoint(self.checkpoint_dir)
+        except NoUsableCheckpoint as err:
+            if not self.config.discard_corrupt_checkpoints:
+                raise ConfigError(
+                    f"{err}: nothing to resume from; pass discard_corrupt_checkpoints=true to set them "
+                    "aside and start at step 0, or choose a new output_dir=..."
+                ) from None
+            self.accelerator.wait_for_everyone()
+            if self.is_main:
+                aside = set_aside(self.checkpoint_dir, [path for path, _ in err.problems])
+                warnings.warn(f"{err}; moved them to {aside} and starting at step 0", stacklevel=2)
+            return None
+        if checkpoint is None:
+            if self.is_main:
+                warnings.warn(
+                    f"resume=true but {self.checkpoint_dir} has no checkpoint; starting at step 0",
+                    stacklevel=2,
+                )
+            return None
+        writers = len(checkpoint.state["rng"])
+        if writers != self.accelerator.num_processes:
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} was written by {writers} process(es) and this launch has "
+                f"{self.accelerator.num_processes}: resume it with {writers} (each process continues its "
+                "own data and random streams), or choose a new output_dir=..."
+            )
+        return checkpoint
 
     def save(self, step: int) -> None:
-        """Checkpoint at `step`: weights, optimizer, schedule, trainer state and every rank's RNGs."""
-        rngs = gather_object([rng_state()])
+        """Checkpoint at `step`: weights, optimizer, schedule, trainer state and every rank's RNGs.
+        Non-finite weights are never written: the run stops and the previous checkpoint stays."""
+        if not self.weights_finite():
+            raise TrainingStopped(self.stop_without_saving(step, "the model's weights are not finite"))
+        with self.watch.phase(f"the checkpoint of step {step}"):
+            rngs = gather_object([rng_state()])
         if self.is_main:
             state = {
                 "optimizer": self.optimizer.state_dict(),
@@ -124,34 +184,31 @@ class Trainer:
                 self.accelerator.unwrap_model(self.model),
                 keep=self.config.keep_checkpoints,
             )
-        self.accelerator.wait_for_everyone()
+        with self.watch.phase(f"the barrier after the checkpoint of step {step}"):
+            self.accelerator.wait_for_everyone()
 
     def restore(self) -> int:
-        """Load the newest good checkpoint; return the step to continue from (0 if none)."""
-        checkpoint = load_latest_checkpoint(self.checkpoint_dir)
+        """Load the checkpoint `prepare_run_dir` chose; return the step to continue from (0 if none)."""
+        checkpoint = self.resume_from
         if checkpoint is None:
-            if self.is_main:
-                warnings.warn(
-                    f"resume=true but {self.checkpoint_dir} has no checkpoint; starting at step 0",
-                    stacklevel=2,
-                )
             return 0
-        load_model_weights(self.accelerator.unwrap_model(self.model), checkpoint)
+        self.load_weights(checkpoint)
         self.optimizer.load_state_dict(checkpoint.state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(checkpoint.state["scheduler"])
         self.load_trainer_state(checkpoint.state["trainer"])
         skipped = checkpoint.state.get("skipped", {"steps": 0, "streak": 0})
         self.skipped_steps, self.nan_streak = int(skipped["steps"]), int(skipped["streak"])
-        rngs = checkpoint.state["rng"]
-        rank = str(self.accelerator.process_index)
-        if rank not in rngs:
-            raise ConfigError(
-                f"checkpoint {checkpoint.path} was written by {len(rngs)} processes; resume it with the same "
-                "number of processes"
-            )
-        set_rng_state(rngs[rank])
+        set_rng_state(checkpoint.state["rng"][str(self.accelerator.process_index)])
         return checkpoint.step
+
+    def load_weights(self, checkpoint: Checkpoint) -> None:
+        try:
+            load_model_weights(self.accelerator.unwrap_model(self.model), checkpoint)
+        except ValueError as err:
+            raise ConfigError(
+                f"{err}: use the config the run was started with ({self.run_dir / 'config.yaml'})"
+            ) from None
 
     def train(self) -> dict[str, Any]:
         """Run (or resume) training to `config.steps`; return the final evaluation."""
@@ -176,8 +233,11 @@ class Trainer:
             try:
                 metrics = self.train_step(step)
             except TrainingStopped as stop:
-                self.stop(step, str(stop))
-                raise
+                raise TrainingStopped(self.stop(step, str(stop))) from None
+            if not self.weights_finite():
+                raise TrainingStopped(
+                    self.stop_without_saving(step + 1, "the model's weights are not finite after the update")
+                )
             every = self.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < self.config.steps:
                 metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
@@ -197,9 +257,28 @@ class Trainer:
     def all_finite(self, *tensors: torch.Tensor) -> bool:
         """Whether every process's tensors are finite, so that all processes skip a step together
         (a process that skipped alone would leave the others waiting in the gradient all-reduce)."""
-        bad = float(not all(bool(torch.isfinite(t).all()) for t in tensors))
-        total = self.accelerator.reduce(torch.tensor([bad], device=self.accelerator.device), reduction="sum")
+        device = self.accelerator.device
+        checks = [torch.isfinite(torch.as_tensor(t).detach()).all().to(device) for t in tensors]
+        bad = (~torch.stack(checks).all()).float().reshape(1) if checks else torch.zeros(1, device=device)
+        with self.watch.phase("the all-reduce of the finite-value check"):
+            total = self.accelerator.reduce(bad, reduction="sum")
         return float(total) == 0.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`accelerator.backward`, watched: under DDP it ends in the gradient all-reduce."""
+        with self.watch.phase("the backward pass and its gradient all-reduce"):
+            self.accelerator.backward(loss)
+
+    def gather(self, items: list[Any], what: str) -> list[Any]:
+        """Every process's `items` (picklable), concatenated in rank order; watched as `what`."""
+        with self.watch.phase(f"the gather of {what}"):
+            return gather_object(items)
+
+    def weights_finite(self) -> bool:
+        """Whether every process's model weights (parameters and floating buffers) are finite."""
+        model = self.accelerator.unwrap_model(self.model)
+        tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+        return self.all_finite(*[t.to_local() if hasattr(t, "to_local") else t for t in tensors])
 
     def skip_step(self, reason: str, patience: int) -> dict[str, Any]:
         """Drop this step's update (a NaN loss, log-prob or gradient is data, not a crash); after
@@ -213,28 +292,45 @@ class Trainer:
             )
         return {"loss": math.nan, "skipped": 1, "skipped_steps": self.skipped_steps}
 
-    def stop(self, step: int, reason: str) -> None:
-        """Checkpoint the last completed step and record why the run stopped."""
+    def stop(self, step: int, reason: str) -> str:
+        """Checkpoint the last completed step (its weights are finite: the failing update was not
+        applied), record why the run stopped in ``stopped.json``; return the message for the user."""
         self.save(step)
+        checkpoint = self.checkpoint_dir / f"step_{step:08d}"
+        self.record_stop(step, reason, checkpoint)
+        return f"{reason}; stopped at step {step + 1}, checkpoint of step {step} saved in {checkpoint}"
+
+    def stop_without_saving(self, step: int, reason: str) -> str:
+        """Record why the run stopped without writing a checkpoint (the weights are bad); the newest
+        checkpoint on disk, written before, is the one to resume from. Return the user's message."""
+        kept = list_checkpoints(self.checkpoint_dir)
+        checkpoint = kept[-1] if kept else None
+        self.record_stop(step, reason, checkpoint)
+        where = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+        return (
+            f"{reason} (step {step}); no checkpoint of them is written, {where}: lower train.lr, check "
+            "the rewards and the config, then resume=true"
+        )
+
+    def record_stop(self, step: int, reason: str, checkpoint: Path | None) -> None:
         if self.is_main:
-            record = {
-                "step": step,
-                "reason": reason,
-                "checkpoint": str(self.checkpoint_dir / f"step_{step:08d}"),
-            }
+            record = {"step": step, "reason": reason, "checkpoint": str(checkpoint) if checkpoint else None}
             (self.run_dir / "stopped.json").write_text(json.dumps(record, indent=1))
 
     def evaluate_checkpoint(self) -> dict[str, Any]:
         """Held-out metrics of the newest good checkpoint in the run directory (`mmrl eval`)."""
-        self.seed_everything()
-        self.setup()
-        checkpoint = load_latest_checkpoint(self.checkpoint_dir)
+        try:
+            checkpoint = load_latest_checkpoint(self.checkpoint_dir)
+        except NoUsableCheckpoint as err:
+            raise ConfigError(f"{err}: nothing to evaluate") from None
         if checkpoint is None:
             raise ConfigError(
                 f"no checkpoint in {str(self.checkpoint_dir)!r}: train the recipe first, or pass "
                 "output_dir=... of a finished run"
             )
-        load_model_weights(self.accelerator.unwrap_model(self.model), checkpoint)
+        self.seed_everything()
+        self.setup()
+        self.load_weights(checkpoint)
         self.load_trainer_state(checkpoint.state["trainer"])
         return {"step": checkpoint.step, **self.evaluate()}
 
