@@ -32,9 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+from safetensors import SafetensorError
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from diffusion_rl.sde import flow_to_vp, shifted_sigmas
+from mmrl.config import ConfigError
 
 PIPELINE_FILE = "mmrl_pipeline.json"
 # What a flow model outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
@@ -46,6 +48,34 @@ VP_PREDICTIONS = ("epsilon", "v_prediction", "sample")
 MIN_SIGMA_DIVISOR = 0.05  # v = (x - x0) / max(sigma, this): bounded near sigma = 0
 MIN_SQRT_ALPHA_BAR = 1e-4
 SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>"]
+DENOISERS = {"transformer": SD3Transformer2DModel, "unet": UNet2DConditionModel}  # folder -> class
+# what transformers, diffusers and safetensors raise for a file that is missing, malformed or of another model
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+REMAKE = (
+    "give a directory written by FlowPipeline.save_pretrained (e.g. `mmrl pretrain diffusion`) or a "
+    "diffusers pipeline directory"
+)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, or a ConfigError naming the file (a model directory's own files)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{str(path)!r} is not valid JSON ({err}): {REMAKE}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{str(path)!r} holds a {type(data).__name__}, not a JSON object: {REMAKE}")
+    return data
+
+
+SUPPORTED_PIPELINES = (
+    "FlowPipeline takes SD3-style pipelines (SD3Transformer2DModel, two or three text encoders) and "
+    "SD1.x-style pipelines (UNet2DConditionModel, CLIP text encoder, DDPM/DDIM-type scheduler)"
+)
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 
 
 def build_clip_tokenizer(words: Sequence[str], max_length: int = 16) -> CLIPTokenizer:
@@ -256,48 +286,111 @@ class FlowPipeline:
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> FlowPipeline:
-        """Load a directory written by `save_pretrained`, or a local diffusers pipeline directory."""
+        """Load a directory written by `save_pretrained`, or a local diffusers pipeline directory.
+
+        A directory of another kind, or one whose files are missing, malformed or of another model,
+        is a ConfigError (or FileNotFoundError) that says what was found and what is expected."""
         directory = Path(directory)
         if (directory / PIPELINE_FILE).is_file():
-            settings = json.loads((directory / PIPELINE_FILE).read_text())
+            return cls.from_own_layout(directory)
+        if (directory / "model_index.json").is_file():
+            return cls.from_diffusers(directory)
+        if (directory / "config.json").is_file():
+            found = read_json_object(directory / "config.json")
+            kind = found.get("model_type") or found.get("_class_name")
+            what = f"a {kind!r} model" if kind else "a config.json with no model_type or _class_name"
+            raise ConfigError(
+                f"{str(directory)!r} holds {what}, not a text-to-image pipeline (no {PIPELINE_FILE} or "
+                f"model_index.json): {REMAKE}"
+            )
+        raise FileNotFoundError(
+            f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE} or model_index.json): {REMAKE}"
+        )
+
+    @classmethod
+    def from_own_layout(cls, directory: Path) -> FlowPipeline:
+        """The project's layout: one folder per component and the settings in PIPELINE_FILE."""
+        settings = read_json_object(directory / PIPELINE_FILE)
+        folder = settings.get("denoiser", "transformer")
+        if folder not in DENOISERS:
+            raise ConfigError(
+                f"{str(directory / PIPELINE_FILE)!r} names denoiser {folder!r}; expected one of "
+                f"{', '.join(DENOISERS)}: {REMAKE}"
+            )
+        parts = [folder, "text_encoder", "tokenizer", *(["vae"] if settings.get("vae") else [])]
+        missing = [part for part in parts if not (directory / part).is_dir()]
+        if missing:
+            raise FileNotFoundError(
+                f"{str(directory)!r} has {PIPELINE_FILE} but no {', '.join(missing)} folder: {REMAKE}"
+            )
+        denoiser_class = DENOISERS[folder]
+        found = read_json_object(directory / folder / "config.json").get("_class_name")
+        if found != denoiser_class.__name__:
+            # checked before loading: diffusers would build a default-sized model from another config
+            raise ConfigError(
+                f"{str(directory / folder)!r} holds a {found!r}, but {PIPELINE_FILE} names a "
+                f"{denoiser_class.__name__} there: {REMAKE}"
+            )
+        try:
             vae = None
             if settings.get("vae"):
                 from diffusers import AutoencoderKL
 
-                vae = AutoencoderKL.from_pretrained(directory / "vae")
-            folder = settings.get("denoiser", "transformer")
-            denoiser_class = UNet2DConditionModel if folder == "unet" else SD3Transformer2DModel
+                vae = AutoencoderKL.from_pretrained(directory / "vae", local_files_only=True)
+            denoiser = denoiser_class.from_pretrained(directory / folder, local_files_only=True)
+            text_encoder, info = CLIPTextModelWithProjection.from_pretrained(
+                directory / "text_encoder", local_files_only=True, output_loading_info=True
+            )
+            tokenizer = CLIPTokenizer.from_pretrained(directory / "tokenizer", local_files_only=True)
+        except LOAD_ERRORS as err:
+            raise ConfigError(
+                f"{str(directory)!r}: the pipeline does not load ({one_line(err)}): {REMAKE}"
+            ) from None
+        if info["missing_keys"]:  # transformers would start them at random
+            raise ConfigError(
+                f"{str(directory / 'text_encoder')!r}: the weights lack {len(info['missing_keys'])} of the "
+                f"CLIP text encoder's tensors (e.g. {sorted(info['missing_keys'])[0]!r}): {REMAKE}"
+            )
+        try:
             return cls(
-                denoiser_class.from_pretrained(directory / folder),
-                CLIPTextModelWithProjection.from_pretrained(directory / "text_encoder"),
-                CLIPTokenizer.from_pretrained(directory / "tokenizer"),
+                denoiser,
+                text_encoder,
+                tokenizer,
                 vae=vae,
                 shift=settings.get("shift", 1.0),
                 prediction=settings.get("prediction", "velocity"),
             )
-        if (directory / "model_index.json").is_file():
-            return cls.from_diffusers(directory)
-        raise FileNotFoundError(
-            f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE} or model_index.json): give "
-            "a local directory written by save_pretrained, e.g. by `mmrl pretrain diffusion`, or a "
-            "diffusers pipeline directory"
-        )
+        except ValueError as err:
+            raise ConfigError(f"{str(directory / PIPELINE_FILE)!r}: {err}") from None
 
     @classmethod
     def from_diffusers(cls, directory: str | Path) -> FlowPipeline:
         """A local diffusers pipeline with a flow transformer (SD3 style) or a DDPM/DDIM UNet (SD1.x)."""
+        import diffusers
         from diffusers import DiffusionPipeline
 
-        index = json.loads((Path(directory) / "model_index.json").read_text())
+        index = read_json_object(Path(directory) / "model_index.json")
+        name = index.get("_class_name")
+        pipeline_class = getattr(diffusers, name, None) if isinstance(name, str) else None
+        if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):
+            raise ConfigError(
+                f"{directory}: model_index.json names pipeline {name!r}, which diffusers does not have; "
+                f"{SUPPORTED_PIPELINES}"
+            )
         # components saved as [null, null] (e.g. SD3 without its T5 encoder) are passed as None
-        absent = {name: None for name, entry in index.items() if entry == [None, None]}
-        pipeline = DiffusionPipeline.from_pretrained(directory, use_safetensors=True, **absent)
+        absent = {part: None for part, entry in index.items() if entry == [None, None]}
+        try:
+            pipeline = DiffusionPipeline.from_pretrained(
+                directory, use_safetensors=True, local_files_only=True, **absent
+            )
+        except LOAD_ERRORS as err:
+            raise ConfigError(f"{directory}: the diffusers {name} does not load ({one_line(err)})") from None
         scheduler = pipeline.scheduler
         if isinstance(getattr(pipeline, "transformer", None), SD3Transformer2DModel) and hasattr(
             pipeline, "text_encoder_2"
         ):
             if hasattr(scheduler, "alphas_cumprod"):
-                raise ValueError(
+                raise ConfigError(
                     f"{directory}: a flow transformer with a DDPM-type scheduler is not supported"
                 )
             return cls(
@@ -310,7 +403,7 @@ class FlowPipeline:
             pipeline, "text_encoder"
         ):
             if not hasattr(scheduler, "alphas_cumprod"):
-                raise ValueError(
+                raise ConfigError(
                     f"{directory}: the UNet's scheduler {type(scheduler).__name__} has no alphas_cumprod; "
                     "use a DDPM/DDIM-type scheduler"
                 )
@@ -321,11 +414,7 @@ class FlowPipeline:
                 scheduler=scheduler,
                 diffusers_pipeline=pipeline,
             )
-        raise ValueError(
-            f"{directory}: diffusers pipeline {index.get('_class_name')!r} is not supported; FlowPipeline "
-            "takes SD3-style pipelines (SD3Transformer2DModel, two or three text encoders) and SD1.x-style "
-            "pipelines (UNet2DConditionModel, CLIP text encoder, DDPM/DDIM-type scheduler)"
-        )
+        raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
 
     def to(self, device: torch.device | str) -> FlowPipeline:
         if self.diffusers_pipeline is not None:

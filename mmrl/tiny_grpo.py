@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from safetensors import SafetensorError
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.config import BaseConfig, ConfigError, option
@@ -148,16 +149,54 @@ def prompt_tokens(prompts: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full((n, 1), BOS), prompts, torch.full((n, 1), SEP)], dim=1)
 
 
+def load_saved_model(path: str) -> Qwen2ForCausalLM:
+    """The digit-reversal model saved at `path` (model.path); any other directory is a ConfigError that
+    says what it holds. The kind is checked before loading: from another model's config transformers
+    builds a default Qwen2 of billions of parameters, and weights the file lacks it starts at random."""
+    directory = Path(path)
+    fix = (
+        "give the model/ folder that `mmrl pretrain tiny_lm` writes (runs/pretrain/tiny_lm/model), or "
+        "model.path=null for an untrained model"
+    )
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"config error: model.path = {path!r} has no config.json: {fix}")
+    try:
+        saved = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"config error: model.path = {path!r}: config.json is not valid JSON ({err}): {fix}"
+        ) from None
+    saved = saved if isinstance(saved, dict) else {}
+    if saved.get("model_type") != "qwen2" or saved.get("vocab_size") != VOCAB:
+        if saved.get("model_type") == "qwen2":
+            found = f"a qwen2 model with vocab_size {saved.get('vocab_size')!r}"
+        elif saved.get("model_type") or saved.get("_class_name"):
+            found = f"a {saved.get('model_type') or saved.get('_class_name')!r} model"
+        else:
+            found = "a config.json with no model_type (not a transformers model)"
+        raise ConfigError(
+            f"config error: model.path = {path!r} holds {found}, but tiny_grpo and tiny_sft need the "
+            f"digit-reversal Qwen2ForCausalLM (model_type 'qwen2', vocab_size {VOCAB}): {fix}"
+        )
+    try:
+        model, info = Qwen2ForCausalLM.from_pretrained(directory, output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        reason = " ".join(str(err).split())
+        raise ConfigError(
+            f"config error: model.path = {path!r}: its qwen2 model does not load ({reason}): {fix}"
+        ) from None
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(
+            f"config error: model.path = {path!r}: its weights lack {len(missing)} of the model's tensors "
+            f"(e.g. {missing[0]!r}), so they were saved from another model: {fix}"
+        )
+    return model
+
+
 def build_model(config: TinyModelConfig, digits: int) -> Qwen2ForCausalLM:
     if config.path:
-        path = Path(config.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"config error: model.path = {config.path!r} has no config.json: run "
-                "`mmrl pretrain tiny_lm` first, give another save_pretrained directory, or "
-                "model.path=null for an untrained model"
-            )
-        return Qwen2ForCausalLM.from_pretrained(path)
+        return load_saved_model(config.path)
     if config.hidden_size % config.heads:
         raise ConfigError(
             f"config error: model.hidden_size = {config.hidden_size} must be divisible by "

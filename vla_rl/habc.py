@@ -472,7 +472,10 @@ class VLAHABCTrainer(Trainer):
                 "the vla_habc trainer runs in one process: "
                 "launch it without accelerate's multi-process options"
             )
-        self.policy = VLAPolicy.from_pretrained(cfg.model.path, device=self.accelerator.device).train()
+        try:
+            self.policy = VLAPolicy.from_pretrained(cfg.model.path, device=self.accelerator.device).train()
+        except ConfigError as err:
+            raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         kwargs: dict[str, Any] = {"obs_mode": "state+rgb", "image_size": self.policy.config.image_size}
         if cfg.rollout.max_episode_steps:
             kwargs["max_episode_steps"] = cfg.rollout.max_episode_steps

@@ -35,8 +35,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from mmrl.config import ConfigError
 
 PAD, UNK = "<pad>", "<unk>"
 # The instruction templates of sim/tasks.py (one "{}" per colour); tests check that every instruction
@@ -306,16 +309,38 @@ class VLAPolicy(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> VLAPolicy:
-        """Load a policy written by `save_pretrained` (a local directory, never the network)."""
+        """Load a policy written by `save_pretrained` (a local directory, never the network).
+
+        Another model's directory, or a malformed or mismatched file, is a ConfigError that says what
+        was found; a missing file is a FileNotFoundError."""
         directory = Path(directory)
+        remake = (
+            "give a directory written by VLAPolicy.save_pretrained (e.g. the policy/ folder of "
+            "`mmrl pretrain vla`)"
+        )
         missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (directory / name).is_file()]
         if missing:
-            raise FileNotFoundError(
-                f"{directory} has no {' or '.join(missing)}: give a directory written by "
-                "VLAPolicy.save_pretrained (e.g. the policy/ folder of `mmrl pretrain vla`)"
+            raise FileNotFoundError(f"{directory} has no {' or '.join(missing)}: {remake}")
+        try:
+            saved = json.loads((directory / CONFIG_NAME).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{directory / CONFIG_NAME} is not valid JSON ({err}): {remake}") from None
+        if not isinstance(saved, dict):
+            raise ConfigError(
+                f"{directory / CONFIG_NAME} holds a {type(saved).__name__}, not a JSON object: {remake}"
             )
-        policy = cls(VLAConfig(**json.loads((directory / CONFIG_NAME).read_text())))
-        policy.load_state_dict(load_file(directory / WEIGHTS_NAME))
+        fields = {f.name for f in dataclasses.fields(VLAConfig)}
+        if "vocabulary" not in saved or not set(saved) <= fields:
+            found = saved.get("model_type") or saved.get("_class_name")
+            what = f"a {found!r} model" if found else f"a config.json with keys {sorted(saved)[:6]}"
+            raise ConfigError(f"{directory} holds {what}, not a VLAPolicy: {remake}")
+        try:
+            policy = cls(VLAConfig(**saved))
+            policy.load_state_dict(load_file(directory / WEIGHTS_NAME))
+        except (OSError, ValueError, TypeError, RuntimeError, SafetensorError) as err:
+            reason = " ".join(str(err).split())  # load_state_dict lists every key: keep the start
+            reason = reason if len(reason) <= 300 else reason[:300] + " ..."
+            raise ConfigError(f"{directory}: the policy does not load ({reason}): {remake}") from None
         return policy.to(device).eval()
 
 

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 from PIL import Image
+from safetensors import SafetensorError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     AutoTokenizer,
@@ -54,6 +55,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey, keyed_rand_batch
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -97,6 +99,12 @@ ASSISTANT_SENTINEL = "@@assistant-text@@"
 MAX_IMAGE_SIDE = 8000
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# what transformers and safetensors raise for a file that is missing, malformed or of another model
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+REMAKE = (
+    "give a folder written by VLMAdapter.save_pretrained (e.g. `mmrl pretrain vlm`) or a local "
+    "Qwen2-VL / Qwen2.5-VL checkpoint"
+)
 
 
 def build_chat_tokenizer(words: Sequence[str], max_length: int = 4096) -> PreTrainedTokenizerFast:
@@ -209,13 +217,37 @@ class TinyVLMSpec:
     max_positions: int = 4096
 
 
-def check_checkpoint(directory: Path) -> None:
-    """Raise FileNotFoundError naming what a local checkpoint directory lacks."""
+def check_checkpoint(directory: Path) -> str:
+    """The model_type of a local checkpoint directory of a supported family; FileNotFoundError names what
+    the directory lacks, ConfigError what else it holds (read before loading: transformers builds a
+    default-sized model from another model's config)."""
     if not directory.is_dir():
         raise FileNotFoundError(
             f"{str(directory)!r} is not a directory: give a local folder written by save_pretrained "
             "(config.json, model weights, tokenizer files, preprocessor_config.json)"
         )
+    model_type = None
+    if (directory / "config.json").is_file():
+        try:
+            config = json.loads((directory / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{str(directory / 'config.json')!r} is not valid JSON ({err}): {REMAKE}"
+            ) from None
+        config = config if isinstance(config, dict) else {}
+        model_type = config.get("model_type")
+        if not any(model_type in family.model_classes for family in FAMILIES):
+            found = model_type or config.get("_class_name")
+            what = (
+                f"a {found!r} model"
+                if found
+                else "a config.json with no model_type (not a transformers model)"
+            )
+            known = sorted(name for family in FAMILIES for name in family.model_classes)
+            raise ConfigError(
+                f"{str(directory)!r} holds {what}, not a chat VLM of a supported model_type "
+                f"({', '.join(known)}): {REMAKE}"
+            )
     missing = [
         name for name in ("config.json", "preprocessor_config.json") if not (directory / name).is_file()
     ]
@@ -224,6 +256,7 @@ def check_checkpoint(directory: Path) -> None:
             missing.append(" or ".join(group))
     if missing:
         raise FileNotFoundError(f"checkpoint directory {str(directory)!r} has no {', '.join(missing)}")
+    return model_type
 
 
 class VLMAdapter(ABC):
@@ -256,22 +289,37 @@ class VLMAdapter(ABC):
     def from_pretrained(
         cls, path: str | Path, dtype: torch.dtype | str = "auto", attn_implementation: str | None = None
     ) -> VLMAdapter:
-        """Load a local checkpoint (never the network) with the family class its config names."""
+        """Load a local checkpoint (never the network) with the family class its config names.
+
+        A directory of another model, or with files missing, malformed or of another model, is a
+        ConfigError (or FileNotFoundError) that says what was found."""
         directory = Path(path)
-        check_checkpoint(directory)
-        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-        family = next((family for family in FAMILIES if model_type in family.model_classes), None)
-        if family is None:
-            known = sorted(name for family in FAMILIES for name in family.model_classes)
-            raise ValueError(f"{directory}: model_type {model_type!r} is not supported; supported: {known}")
-        model = family.model_classes[model_type].from_pretrained(
-            directory, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        processor_template = directory / "chat_template.json"  # where hub VLMs keep it beside the processor
-        if tokenizer.chat_template is None and processor_template.is_file():
-            tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
-        image_processor = family.image_processor_class.from_pretrained(directory, local_files_only=True)
+        model_type = check_checkpoint(directory)
+        family = next(family for family in FAMILIES if model_type in family.model_classes)
+        try:
+            model, info = family.model_classes[model_type].from_pretrained(
+                directory,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                local_files_only=True,
+                output_loading_info=True,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            processor_template = directory / "chat_template.json"  # hub VLMs keep it beside the processor
+            if tokenizer.chat_template is None and processor_template.is_file():
+                tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+            image_processor = family.image_processor_class.from_pretrained(directory, local_files_only=True)
+        except LOAD_ERRORS as err:
+            reason = " ".join(str(err).split())
+            raise ConfigError(
+                f"{str(directory)!r}: the {model_type} checkpoint does not load ({reason}): {REMAKE}"
+            ) from None
+        if info["missing_keys"]:  # transformers would start them at random
+            missing = sorted(info["missing_keys"])
+            raise ConfigError(
+                f"{str(directory)!r}: the weights lack {len(missing)} of the {model_type} model's tensors "
+                f"(e.g. {missing[0]!r}), so they were saved from another model: {REMAKE}"
+            )
         return family(model, tokenizer, image_processor)
 
     def save_pretrained(self, path: str | Path) -> None:
