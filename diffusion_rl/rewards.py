@@ -30,9 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from mmrl.config import ConfigError
 from mmrl.registry import REWARDS
 from mmrl.rewards import RewardFn
 
@@ -43,6 +45,8 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 AESTHETIC_HEAD_FILE = "aesthetic_head.safetensors"
 DEFAULT_REWARD_SERVER_URL = "http://127.0.0.1:8000/reward"
+# where a trainer config holds a reward factory's keyword arguments; option errors name the key there
+OPTIONS_KEY = "reward.options"
 
 
 # --- images -------------------------------------------------------------------------------------
@@ -92,7 +96,9 @@ def _jpeg_sizes_kb(images: ImageBatch, quality: int) -> Tensor:
 
 def _check_quality(quality: int) -> None:
     if not 1 <= quality <= 100:
-        raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
+        raise ConfigError(
+            f"config error: {OPTIONS_KEY}.quality = {quality!r}: JPEG quality must be in 1..100 (default 95)"
+        )
 
 
 @REWARDS.register("jpeg_compressibility")
@@ -125,8 +131,8 @@ def local_model_dir(model_path: str | Path) -> Path:
     path = Path(model_path)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model path {str(model_path)!r} is not a local directory: it must be a directory saved with "
-            "save_pretrained (models are never downloaded from a hub)"
+            f"{OPTIONS_KEY}.model_path = {str(model_path)!r} is not a local directory: it must be a "
+            "directory saved with save_pretrained (models are never downloaded from a hub)"
         )
     return path
 
@@ -137,7 +143,10 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     resolved = getattr(torch, dtype, None)
     if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16' or 'float16'")
+        raise ConfigError(
+            f"config error: {OPTIONS_KEY}.dtype = {dtype!r} is not a dtype: use e.g. float32, bfloat16 or "
+            "float16"
+        )
     return resolved
 
 
@@ -178,12 +187,33 @@ class ClipScorer:
         from transformers import CLIPModel, CLIPTokenizer
 
         model_dir = local_model_dir(model_path)
+        key = f"config error: {OPTIONS_KEY}.model_path = {str(model_path)!r}"
+        fix = "give a CLIPModel directory saved with save_pretrained"
+        try:
+            saved = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{key}: no readable config.json ({err}): {fix}") from None
+        found = saved.get("model_type") if isinstance(saved, dict) else None
+        if found != "clip":  # checked first: transformers would build a default CLIP and fill it at random
+            raise ConfigError(f"{key} holds a {found!r} model, not a CLIP model (model_type 'clip'): {fix}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = CLIPModel.from_pretrained(
-            model_dir, use_safetensors=True, local_files_only=True, dtype=_torch_dtype(dtype)
-        )
+        torch_dtype = _torch_dtype(dtype)
+        try:
+            self.model, info = CLIPModel.from_pretrained(
+                model_dir,
+                use_safetensors=True,
+                local_files_only=True,
+                dtype=torch_dtype,
+                output_loading_info=True,
+            )
+            self.tokenizer = CLIPTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+            raise ConfigError(
+                f"{key}: the CLIP model does not load ({' '.join(str(err).split())}): {fix}"
+            ) from None
+        if info["missing_keys"]:
+            raise ConfigError(f"{key}: the weights lack {len(info['missing_keys'])} of CLIP's tensors: {fix}")
         self.model.to(self.device).eval()
-        self.tokenizer = CLIPTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.image_size = self.model.config.vision_config.image_size
         self.max_text_tokens = self.model.config.text_config.max_position_embeddings
         self.mean, self.std = clip_normalisation(model_dir)
@@ -318,9 +348,10 @@ def aesthetic(
     head_file = Path(head_path) if head_path is not None else Path(model_path) / AESTHETIC_HEAD_FILE
     head = AestheticHead.load(head_file).to(scorer.device)
     if head.config["input_dim"] != scorer.embedding_dim:
-        raise ValueError(
-            f"aesthetic head {str(head_file)!r} takes {head.config['input_dim']}-dim embeddings but the CLIP "
-            f"model in {model_path!r} makes {scorer.embedding_dim}-dim ones"
+        raise ConfigError(
+            f"config error: {OPTIONS_KEY}.head_path: the aesthetic head {str(head_file)!r} takes "
+            f"{head.config['input_dim']}-dim embeddings but the CLIP model in {model_path!r} makes "
+            f"{scorer.embedding_dim}-dim ones"
         )
 
     def reward(images: ImageBatch, **_: Any) -> Tensor:
@@ -398,11 +429,19 @@ def http_reward(
     (never followed) and malformed answers raise it at once. Proxy environment variables are ignored:
     the server is expected on localhost or the cluster network.
     """
-    parsed = urllib.parse.urlsplit(url)
+    parsed = urllib.parse.urlsplit(str(url))
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"reward server url must be http(s)://HOST[:PORT]/PATH, got {url!r}")
-    if timeout <= 0 or retries < 1 or backoff < 0:
-        raise ValueError(f"need timeout > 0, retries >= 1, backoff >= 0; got {timeout}, {retries}, {backoff}")
+        raise ConfigError(
+            f"config error: {OPTIONS_KEY}.url = {url!r}: the reward server is reached over http or https "
+            f"only: write http(s)://HOST[:PORT]/PATH, e.g. {DEFAULT_REWARD_SERVER_URL} (the default)"
+        )
+    for key, value, allowed, limit in (
+        ("timeout", timeout, timeout > 0, "> 0 seconds"),
+        ("retries", retries, retries >= 1, ">= 1 (attempts in all)"),
+        ("backoff", backoff, backoff >= 0, ">= 0 seconds"),
+    ):
+        if not allowed:
+            raise ConfigError(f"config error: {OPTIONS_KEY}.{key} = {value!r}: must be {limit}")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _RefuseRedirects)
 
     def post(body: bytes) -> bytes:

@@ -183,6 +183,38 @@ class BranchGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: explore.keep = {self.explore.keep} must be even (best and worst halves)"
             )
+        self.check_tree_keys()
+
+    def check_tree_keys(self) -> None:
+        """Keys that refer to the tree's depths or leaves must fit the tree that rollout.split_steps
+        builds: depth d holds the edges below the d-th split, so the leaves sit at depth len(split_steps).
+        Otherwise a pruned depth or a kept leaf that does not exist is silently nothing."""
+        depths, prune = len(self.rollout.split_steps), self.prune
+        tree = f"rollout.split_steps = {self.rollout.split_steps} gives depths 1 to {depths}"
+        outside = sorted({d for d in prune.depths if d > depths})
+        if outside:
+            raise ConfigError(
+                f"config error: prune.depths = {prune.depths}: no depth {outside[0]} in the tree ({tree}, "
+                f"depth {depths} being the leaves): give depths between 1 and {depths}"
+            )
+        if set(range(1, depths + 1)) <= set(prune.depths):
+            raise ConfigError(
+                f"config error: prune.depths = {prune.depths} prunes every depth ({tree}), so nothing would "
+                "be trained: leave at least one depth out"
+            )
+        if prune.width != "none" and depths in prune.depths:
+            raise ConfigError(
+                f"config error: prune.width = {prune.width} prunes the leaves' edges (depth {depths}), but "
+                f"prune.depths = {prune.depths} drops that whole depth: remove {depths} from prune.depths or "
+                "set prune.width=none"
+            )
+        pool = self.explore.branch_factor**depths
+        if self.explore.enabled and self.explore.keep > pool:
+            raise ConfigError(
+                f"config error: explore.keep = {self.explore.keep} leaves, but an exploration tree has "
+                f"{pool} (explore.branch_factor ** {depths} splits): lower explore.keep or raise "
+                "explore.branch_factor"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
