@@ -69,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain = sub.add_parser(
         "pretrain",
         help="build a tiny base model that RL recipes start from",
-        description="Run the pretraining recipe configs/pretrain/NAME.yaml.",
+        description="Run the pretraining recipe configs/pretrain/NAME.yaml (`mmrl list` shows them as "
+        "pretrain/NAME). NAME is a recipe name, not a path: run a YAML file of your own with "
+        "`mmrl train PATH.yaml`.",
     )
-    pretrain.add_argument("name", help="pretraining recipe, e.g. tiny_lm")
+    pretrain.add_argument("name", help="pretraining recipe name, e.g. tiny_lm")
     pretrain.add_argument("overrides", nargs="*", help="key=value overrides")
     pretrain.add_argument("--resume", action="store_true", help="same as resume=true")
 
@@ -152,6 +154,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    """Only recipe names: `pretrain/{name}` would otherwise also reach files outside configs/pretrain
+    (``../x``) that `mmrl train` is the command for."""
+    names = [recipe.removeprefix("pretrain/") for recipe in list_recipes() if recipe.startswith("pretrain/")]
+    if args.name not in names:
+        raise ConfigError(
+            f"mmrl pretrain {args.name!r}: not a pretraining recipe; choose one of {', '.join(names)} "
+            "(configs/pretrain/NAME.yaml), or run a YAML file of your own with `mmrl train PATH.yaml`"
+        )
     args.config = f"pretrain/{args.name}"
     return cmd_train(args)
 
