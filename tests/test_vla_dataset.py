@@ -4,6 +4,8 @@ the replay buffer's kinds, eviction, sampling and resume; expert demonstrations 
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -11,8 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from mmrl.config import ConfigError
 from vla_rl.buffer import KINDS, ReplayBuffer
-from vla_rl.dataset import DatasetWriter, RobotDataset, record_episodes
+from vla_rl.dataset import DatasetWriter, RobotDataset, check_dataset, open_dataset, record_episodes
 
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [3], "names": ["x", "y", "z"]},
@@ -201,12 +204,17 @@ def test_data_files_roll_over_at_the_frame_limit(tmp_path, episodes):
 # ----- bad input -----------------------------------------------------------------------------------
 
 
-def test_a_directory_that_is_not_a_dataset(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+def test_a_path_that_is_not_a_dataset(tmp_path, root):
+    with pytest.raises(ConfigError, match="nowhere is not a LeRobot dataset: no such directory"):
         RobotDataset(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="is not a LeRobot dataset: it has no meta/info.json"):
+    with pytest.raises(ConfigError, match="empty is not a LeRobot dataset: the directory is empty"):
         RobotDataset(tmp_path / "empty")
+    (tmp_path / "empty" / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match="empty is not a LeRobot dataset: it has no meta/info.json"):
+        RobotDataset(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"info.json is a file, not a dataset directory: .* \(here .*ds\)"):
+        RobotDataset(root / "meta/info.json")
 
 
 def edit_info(root, edit):
@@ -227,7 +235,7 @@ def edit_info(root, edit):
         ),
         (
             lambda info: info["features"]["observation.image"].update(shape=[8, 8, 3]),
-            r"images in 'observation.image' are \[6, 5, 3\], meta/info.json declares \[8, 8, 3\]",
+            r"the first image in 'observation.image' is \[6, 5, 3\], meta/info.json declares \[8, 8, 3\]",
         ),
         (
             lambda info: info["features"].update(wrist={"dtype": "image", "shape": [6, 5, 3]}),
@@ -239,12 +247,15 @@ def edit_info(root, edit):
             "feature 'observation.image' is stored as MP4 video",
         ),
         (lambda info: info["features"].pop("index"), r"the features \['index'\] that every LeRobot dataset"),
-        (lambda info: info.update(total_frames=13), "data files hold 12 frames, meta/info.json says 13"),
+        (
+            lambda info: info.update(total_frames=13),
+            "episodes hold 12 frames, meta/info.json says total_frames = 13",
+        ),
     ],
 )
 def test_info_that_does_not_match_the_data(root, edit, message):
     edit_info(root, edit)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         RobotDataset(root)
 
 
@@ -255,6 +266,11 @@ def retype(table, name, arrow_type):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
+        (
+            lambda t: t.rename_columns(["actions" if c == "action" else c for c in t.column_names]),
+            r"feature 'action' \(dtype float32, shape \[2\]\) is declared in meta/info.json but the file has "
+            r"no such column; its columns are \[.*'actions'.*\]: rename the column back",
+        ),
         (
             lambda t: t.drop_columns(["observation.image"]),
             r"feature 'observation.image' \(dtype image, shape \[6, 5, 3\]\) is declared in meta/info.json "
@@ -273,7 +289,7 @@ def retype(table, name, arrow_type):
 def test_data_columns_that_do_not_match_info(root, change, message):
     path = root / DATA_FILE
     pq.write_table(change(pq.read_table(path)), path)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         RobotDataset(root)
 
 
@@ -289,14 +305,14 @@ def test_data_columns_that_do_not_match_info(root, change, message):
 def test_missing_files_are_named(root, missing, message):
     path = root / missing
     shutil.rmtree(path) if path.is_dir() else path.unlink()
-    with pytest.raises(FileNotFoundError, match=message):
+    with pytest.raises(ConfigError, match=message):
         RobotDataset(root)
 
 
 def test_check_features_names_every_problem(root):
     ds = RobotDataset(root)
     ds.check_features({"observation.state": (3,), "observation.image": (6, 5, 3), "action": (2,)})
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         ds.check_features({"observation.state": (9,), "observation.images.wrist": (6, 5, 3), "action": (2,)})
     message = str(err.value)
     assert "'observation.state' has shape [3], the policy needs [9]" in message
@@ -330,6 +346,209 @@ def test_writer_refuses_bad_frames_and_features(tmp_path, root):
         raise RuntimeError("robot fell over")
     with pytest.raises(ValueError, match="not a LeRobot dataset"):
         RobotDataset(crashed)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"codebase_version": "v3.0", ', r"info.json is not valid JSON \(Expecting"),
+        (b"\xff\xfe{}", r"info.json is not valid JSON \('utf-8' codec can't decode"),
+        (b"[1, 2]", "info.json holds a JSON array, not an object of dataset fields"),
+        (b"3", "info.json holds a JSON number, not an object of dataset fields"),
+        (
+            b'{"codebase_version": "v3.0", "fps": 10, "features": [], "data_path": "d", "total_episodes": 1, '
+            b'"total_frames": 1}',
+            "features is a JSON array, not an object",
+        ),  # fmt: skip
+    ],
+)
+def test_info_json_that_is_not_an_object_of_fields(root, content, message):
+    (root / "meta/info.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        RobotDataset(root)
+
+
+@pytest.mark.parametrize(
+    "name", [DATA_FILE, "meta/episodes/chunk-000/file-000.parquet", "meta/tasks.parquet"]
+)
+def test_a_garbage_parquet_file_is_named(root, name):
+    (root / name).write_bytes(b"PAR1 this is not parquet PAR1")
+    with pytest.raises(ConfigError, match=f"{name} is not a readable parquet file .*: restore the file"):
+        RobotDataset(root)
+
+
+def replace_image(root, row, data):
+    table = pq.read_table(root / DATA_FILE)
+    images = table["observation.image"].combine_chunks()
+    png = images.field("bytes").to_pylist()
+    png[row] = data
+    column = pa.StructArray.from_arrays([pa.array(png, pa.binary()), images.field("path")], ["bytes", "path"])
+    index = table.column_names.index("observation.image")
+    pq.write_table(table.set_column(index, "observation.image", column), root / DATA_FILE)
+
+
+def test_an_undecodable_png_names_the_file_episode_and_frame(root):
+    replace_image(root, 5, b"\x89PNG but not really")  # episode 1, frame 1
+    ds = RobotDataset(root)  # only the first image is decoded on opening
+    where = r"file-000.parquet: 'observation.image' of episode 1, frame 1 is not a readable PNG"
+    with pytest.raises(ConfigError, match=where):
+        ds[5]
+    with pytest.raises(ConfigError, match=where):
+        ds.episode(1)
+    assert ds[4]["observation.image"].shape == (3, 6, 5)
+    replace_image(root, 0, ds._columns["observation.image"][0][:40])  # a truncated first image
+    with pytest.raises(ConfigError, match=r"the first image in 'observation.image' is not a readable PNG"):
+        RobotDataset(root)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda root: edit_info(
+                root, lambda info: info["features"]["episode_index"].update(dtype="float32")
+            ),
+            r"feature 'episode_index' has dtype float32, shape \[1\], but LeRobot's episode_index is a int64",
+        ),
+        (
+            lambda root: edit_info(root, lambda info: info.update(data_path="data/{chunk}.parquet")),
+            "data_path is 'data/{chunk}.parquet', not a path template",
+        ),
+        (
+            lambda root: (root / "meta/stats.json").write_text(
+                json.dumps({"observation.state": {"mean": [0, float("nan"), 0], "std": [1, 1, 1]}})
+            ),
+            r"'observation.state' needs a finite 'mean' of shape \[3\]",
+        ),
+        (
+            lambda root: pq.write_table(
+                retype(pq.read_table(root / DATA_FILE), "action", pa.list_(pa.float32(), 2)).set_column(
+                    1, "action", pa.array([[np.nan, 0.0]] + [[0.0, 0.0]] * 11, pa.list_(pa.float32(), 2))
+                ),
+                root / DATA_FILE,
+            ),
+            "column 'action' has NaN or infinite values in 1 rows",
+        ),
+        (
+            lambda root: pq.write_table(
+                pq.read_table(root / "meta/episodes/chunk-000/file-000.parquet").set_column(
+                    2, "length", pa.array([4, 2, 5], pa.int64())
+                ),
+                root / "meta/episodes/chunk-000/file-000.parquet",
+            ),
+            r"episode 1 has frames 4..7 and length 2, but episodes hold consecutive frames",
+        ),
+    ],
+)
+def test_inconsistent_metadata_and_values_are_named(root, edit, message):
+    edit(root)
+    with pytest.raises(ConfigError, match=message):
+        RobotDataset(root)
+
+
+FITS = {"observation.state": (3,), "observation.image": (6, 5, 3), "action": (2,)}
+
+
+def test_config_keys_name_the_dataset_that_does_not_fit(root, tmp_path):
+    check_dataset(root, "data.path", FITS)  # reads no frame
+    assert len(open_dataset(root, "data.path", FITS)) == 12
+    with pytest.raises(ConfigError, match=r"^config error: data.path = '.*ds': dataset .*ds does not fit the "
+                       r"policy: 'action' has shape \[2\], the policy needs \[3\]"):  # fmt: skip
+        check_dataset(root, "data.path", FITS | {"action": (3,)})
+    with pytest.raises(ConfigError, match=r"^config error: train.demos = .* 'action' has shape \[2\]"):
+        open_dataset(root, "train.demos", FITS | {"action": (3,)})
+    with pytest.raises(ConfigError, match="^config error: data.path is empty"):
+        check_dataset("", "data.path")
+    with pytest.raises(
+        ConfigError, match=r"^config error: data.path = '.*info.json': .* is a file, not a data"
+    ):
+        check_dataset(root / "meta/info.json", "data.path")
+    with pytest.raises(
+        ConfigError, match=r"^config error: data.path = .*: .*tasks.parquet is not a readable"
+    ):
+        (root / "meta/tasks.parquet").write_bytes(b"")
+        check_dataset(root, "data.path")
+
+    renamed = tmp_path / "renamed"  # a consistent dataset whose action feature has another name
+    features = {("actions" if k == "action" else k): v for k, v in FEATURES.items()}
+    with DatasetWriter(renamed, fps=10, features=features) as writer:
+        frame = make_episodes()[0][0][0]
+        writer.add_frame({("actions" if k == "action" else k): v for k, v in frame.items()})
+        writer.save_episode("task", True)
+    with pytest.raises(ConfigError, match=r"'action' is missing \(the policy needs shape \[2\]\).*'actions'"):
+        check_dataset(renamed, "data.path", FITS)
+
+    integers = tmp_path / "integers"  # integer actions, where the policy predicts real numbers
+    with DatasetWriter(
+        integers, fps=10, features=FEATURES | {"action": {"dtype": "int64", "shape": [2]}}
+    ) as writer:
+        writer.add_frame(frame | {"action": np.array([1, 0])})
+        writer.save_episode("task", True)
+    with pytest.raises(ConfigError, match="'action' has dtype int64, the policy needs float32 or float64"):
+        open_dataset(integers, "data.path", FITS)
+
+
+@needs_sim
+def test_pretrain_refuses_a_bad_data_path_before_writing_anything(root, tmp_path):
+    from mmrl.config import load_config
+    from vla_rl.pretrain import VLABCConfig, demonstrations
+
+    out = tmp_path / "run"
+    (tmp_path / "empty").mkdir()
+    cases = {
+        root / "meta/info.json": "info.json is a file, not a dataset directory",
+        tmp_path / "empty": "empty is not a LeRobot dataset: the directory is empty",
+        root: r"does not fit the policy: 'observation.image' has shape \[6, 5, 3\], the policy needs \[96",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=f"^config error: data.path = '{path}': .*{message}") as err:
+            load_config("pretrain/vla", [f"data.path={path}", f"output_dir={out}"])
+        assert "\n" not in str(err.value)
+    assert isinstance(load_config("pretrain/vla", [f"output_dir={out}"]), VLABCConfig)  # null: record demos
+
+    (root / DATA_FILE).write_bytes(
+        b"garbage"
+    )  # through the command line: exit code 2, one line, no traceback
+    result = subprocess.run(
+        [sys.executable, "-m", "mmrl", "pretrain", "vla", f"data.path={root}", f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: config error: data.path = '{root}': "), lines
+    assert f"{root / DATA_FILE} is not a readable parquet file" in lines[0]
+    assert not out.exists()
+
+    shutil.copytree(root, out / "demos")  # demonstrations an earlier run recorded, damaged since
+    message = (
+        r"in output_dir cannot be used: .*file-000.parquet is not a readable parquet file .*; delete .*demos"
+    )
+    with pytest.raises(ConfigError, match=message):
+        demonstrations(load_config("pretrain/vla", [f"output_dir={out}"]), out)
+
+
+@needs_sim
+def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
+    import sim  # noqa: F401  (selects headless rendering before mujoco loads)
+    from mmrl.config import load_config
+    from sim.render import headless_rendering_error
+    from vla_rl.habc import VLAHABCTrainer
+    from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
+
+    if headless_rendering_error() is not None:
+        pytest.skip("HABC renders camera frames; no headless rendering here")
+    policy = VLAConfig(vocabulary=task_vocabulary(), image_size=16, channels=[4], keypoints=4, hidden=8)
+    VLAPolicy(policy).save_pretrained(tmp_path / "policy")
+    (root / "meta/info.json").write_text("[]")
+    overrides = [f"model.path={tmp_path / 'policy'}", "rollout.task=Reach", "rollout.num_envs=1"]
+    config = load_config("vla/habc", [f"output_dir={tmp_path / 'run'}", *overrides, f"train.demos={root}"])
+    message = (
+        f"^config error: train.demos = '{root}': {root}/meta/info.json holds a JSON array, not an object"
+    )
+    with pytest.raises(ConfigError, match=message):
+        VLAHABCTrainer(config).train()
 
 
 # ----- replay buffer -------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.buffer import ReplayBuffer
-from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset
+from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, open_dataset
 from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
 from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
@@ -507,12 +507,7 @@ class VLAHABCTrainer(Trainer):
     def load_demos(self) -> dict[str, Tensor]:
         """Every frame of `train.demos` as training tensors, after checking it fits the policy and task."""
         cfg, path = self.config, self.config.train.demos
-        if not (Path(path) / "meta" / "info.json").is_file():
-            raise ConfigError(
-                f"config error: train.demos = {path!r} is not a LeRobot dataset (no meta/info.json): "
-                "point it at demonstrations, e.g. the base's OUTPUT_DIR/demos, or set train.demos=null"
-            )
-        dataset = RobotDataset(path)
+        dataset = open_dataset(path, "train.demos")
         env, size = self.envs[0], self.policy.config.image_size
         try:
             dataset.check_features(

@@ -23,7 +23,15 @@ from tqdm.auto import tqdm
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer, warmup_cosine
-from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, RobotDataset, record_episodes
+from vla_rl.dataset import (
+    ACTION_KEY,
+    IMAGE_KEY,
+    STATE_KEY,
+    RobotDataset,
+    check_dataset,
+    open_dataset,
+    record_episodes,
+)
 from vla_rl.evaluate import TASK_HELP, evaluate_policy
 from vla_rl.policy import VLAConfig, VLAPolicy, chunk_nll, random_shift, task_vocabulary
 
@@ -118,6 +126,8 @@ class VLABCConfig(BaseConfig):
             raise ConfigError(
                 f"config error: model.min_std = {m.min_std} must be < model.max_std = {m.max_std}"
             )
+        if self.data.path is not None:  # a bad dataset stops here, before the run directory is written
+            check_dataset(self.data.path, "data.path", policy_features(self.data.task, self.data.image_size))
         demos = range(self.data.seed, self.data.seed + self.data.episodes)
         held_out = range(self.eval.seed, self.eval.seed + self.eval.episodes)
         if self.data.path is None and demos.start < held_out.stop and held_out.start < demos.stop:
@@ -128,13 +138,34 @@ class VLABCConfig(BaseConfig):
             )
 
 
+def policy_features(task: str, image_size: int) -> dict[str, tuple[int, ...]]:
+    """The dataset features the policy trains on for `task`, with their shapes (images (H, W, C))."""
+    import sim
+
+    env = sim.make(task, obs_mode="state")
+    try:
+        state, action = env.observation_space["state"].shape, env.action_space.shape
+    finally:
+        env.close()
+    return {IMAGE_KEY: (image_size, image_size, 3), STATE_KEY: tuple(state), ACTION_KEY: tuple(action)}
+
+
 def demonstrations(cfg: VLABCConfig, run_dir: os.PathLike) -> RobotDataset:
-    """The dataset at data.path, or the run's recorded demonstrations (recorded now if absent)."""
+    """The dataset at data.path, or the run's recorded demonstrations (recorded now if absent), checked
+    to fit the policy."""
+    required = policy_features(cfg.data.task, cfg.data.image_size)
     if cfg.data.path is not None:
-        return RobotDataset(cfg.data.path)
+        return open_dataset(cfg.data.path, "data.path", required)
     root = os.path.join(run_dir, "demos")
     if os.path.isfile(os.path.join(root, "meta", "info.json")):
-        dataset = RobotDataset(root)
+        try:
+            dataset = RobotDataset(root)
+            dataset.check_features(required)
+        except ConfigError as err:
+            raise ConfigError(
+                f"config error: the demonstrations an earlier run recorded in output_dir cannot be used: "
+                f"{err}; delete {root} to record them again"
+            ) from None
         if len(dataset.episodes) != cfg.data.episodes:
             raise ConfigError(
                 f"config error: {root} holds {len(dataset.episodes)} demonstrations, data.episodes = "
@@ -200,23 +231,11 @@ class VLABCTrainer(Trainer):
         env = sim.make(cfg.data.task, obs_mode="state")
         proprio_dim = env.get_wrapper_attr("proprio_dim")
         layout = env.get_wrapper_attr("state_layout")
-        state_dim = env.observation_space["state"].shape[0]
         env.close()
-        size = cfg.data.image_size
-        try:
-            dataset.check_features(
-                {
-                    IMAGE_KEY: (size, size, 3),
-                    STATE_KEY: (state_dim,),
-                    ACTION_KEY: (env.action_space.shape[0],),
-                }
-            )
-        except ValueError as err:
-            raise ConfigError(f"config error: data: {err}") from None
         m = cfg.model
         policy_config = VLAConfig(
             vocabulary=task_vocabulary(),
-            image_size=size,
+            image_size=cfg.data.image_size,
             proprio_dim=proprio_dim,
             action_dim=env.action_space.shape[0],
             horizon=m.horizon,
