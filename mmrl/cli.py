@@ -124,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
-        print(
-            f"error: run stopped: {err} (checkpoint saved; see stopped.json in the run directory)",
-            file=sys.stderr,
-        )
+        print(f"error: run stopped: {err} (see stopped.json in the run directory)", file=sys.stderr)
         return 1
 
 

@@ -102,7 +102,7 @@ class Trainer:
     def prepare_run_dir(self) -> None:
         """Check the run directory and the checkpoint to resume from before any work, then write
         the config: a mistake fails here, in one line, instead of after training steps."""
-        check_output_dir(self.run_dir, "output_dir")
+        check_output_dir(self.config.output_dir, "output_dir")
         for folder in (self.checkpoint_dir, self.samples_dir):
             if folder.exists():
                 check_output_dir(folder, f"output_dir (its {folder.name}/ folder)")
