@@ -23,7 +23,7 @@ from diffusion_rl.models import FlowPipeline
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, train_prompts
 from diffusion_rl.trainer import load_prompts, resolve_model_path
-from mmrl.config import ConfigError, apply_overrides, build, option
+from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option
 from mmrl.registry import EVALUATORS, REWARDS, UnknownNameError
 
 BETTER_BY = 0.01  # a prompt counts as better / worse when its mean reward moves by more than this
@@ -69,6 +69,7 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
         raise ConfigError(
             "config error: models is empty; pass models=[DIR,DIR,...] (the first is the reference)"
         )
+    check_output_dir(cfg.output_dir, "output_dir")
     if len(set(cfg.models)) != len(cfg.models):
         twice = next(m for m in cfg.models if cfg.models.count(m) > 1)
         raise ConfigError(f"config error: models lists {twice!r} twice; give each model once")
@@ -122,7 +123,6 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
                 entry[name].update(paired(reference[name], values))
         results["models"][model] = entry
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "eval_diffusion.json").write_text(json.dumps(results, indent=1))
     if cfg.grid_prompts:
         save_labelled_grid(grids, cfg.models, prompts[: cfg.grid_prompts], out / "grid.png")

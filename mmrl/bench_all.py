@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mmrl.config import ConfigError, build, option
+from mmrl.config import ConfigError, build, check_output_dir, option
 from mmrl.registry import BENCHES, closest
 
 DEFAULT_OUTPUT = "runs/bench/all.json"
@@ -181,6 +181,11 @@ def bench_all(
             )
         if not isinstance(section, dict):
             raise ConfigError(f"config error: {name} = {section!r} must be a section, e.g. {name}.repeats=1")
+    check_output_dir(Path(output).parent, "output (its folder)")
+    if Path(output).is_dir():
+        raise ConfigError(
+            f"config error: output = {output!r} is a directory: give a file path, e.g. {DEFAULT_OUTPUT}"
+        )
     selected = [n for n in names if (only is None or n in only) and n not in (skip or [])]
     kwargs = {name: bench_kwargs(registry.get(name), options.get(name, {}), f"{name}.") for name in selected}
 
@@ -231,7 +236,6 @@ def bench_all(
         f"{len(table) - sum(summary.values())} without a target"
     )
     path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "summary": summary,

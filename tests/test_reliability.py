@@ -142,6 +142,23 @@ def test_bad_output_dir_fails_before_any_work(kind, tmp_path, capsys):
     assert blocker.read_text() == "not a directory"
 
 
+@pytest.mark.parametrize(
+    ("command", "key"),
+    [
+        (["eval", "diffusion", "models=[diffusion_rl/assets/tiny_flow]", "output_dir={file}"], "output_dir"),
+        (["eval", "vla", "policies=[missing]", "output_dir={file}/sub"], "output_dir"),
+        (["eval", "vlm", "benchmark=missing.jsonl", "output_dir={file}"], "output_dir"),
+        (["bench", "all", "output={file}/all.json"], "output"),
+    ],
+)
+def test_evaluations_and_benches_check_their_output_first(command, key, tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    assert main([part.format(file=blocker) for part in command]) == 2
+    line = one_error_line(capsys)
+    assert f"{key}" in line and "file" in line
+
+
 def run_without_override(args: list[str]) -> subprocess.CompletedProcess:
     """The CLI with file permissions enforced: root ignores them unless it drops the capability to."""
     drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps"]

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mmrl.config import ConfigError, apply_overrides, build, option
+from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option
 from mmrl.registry import EVALUATORS
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
@@ -237,7 +237,8 @@ class VLAPoliciesEvalConfig:
 
 
 def check_config(cfg: VLAPoliciesEvalConfig) -> str:
-    """Fail before any rollout on a bad task or policy list; return the full task id."""
+    """Fail before any rollout on a bad task, policy list or output_dir; return the full task id."""
+    check_output_dir(cfg.output_dir, "output_dir")
     if not cfg.policies:
         raise ConfigError(
             "config error: policies is empty; pass policies=[DIR,DIR,...] (VLAPolicy directories)"
