@@ -5,9 +5,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+from mmrl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +23,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_process_ddp_run(tmp_path):
+TINY = [
+    "model.path=null",
+    "model.hidden_size=32",
+    "task.train_prompts=256",
+    "task.heldout_prompts=16",
+    "rollout.prompts_per_step=2",
+    "progress=false",
+]
+
+
+def launch_two(run_dir: Path, *overrides: str) -> subprocess.Popen:
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [
         str(accelerate),
@@ -32,27 +46,35 @@ def test_two_process_ddp_run(tmp_path):
         "mmrl",
         "train",
         "core/tiny_grpo",
-        f"output_dir={tmp_path}",
-        "model.path=null",
-        "model.hidden_size=32",
-        "task.train_prompts=256",
-        "task.heldout_prompts=16",
-        "rollout.prompts_per_step=2",
-        "steps=3",
-        "progress=false",
+        f"output_dir={run_dir}",
+        *TINY,
+        *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """The ranks run in sessions of their own and hold the output pipes: kill the launcher and every
+    process below it (found before the launcher dies), or a hung rank outlives the test and blocks it."""
+    launcher = psutil.Process(proc.pid)
+    for process in [*launcher.children(recursive=True), launcher]:
+        process.kill()
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     try:
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # the ranks run in sessions of their own and hold the output pipes: kill the launcher and every
-        # process below it (found before the launcher dies), or a hung rank outlives the test and blocks it
-        launcher = psutil.Process(proc.pid)
-        for process in [*launcher.children(recursive=True), launcher]:
-            process.kill()
+        kill_tree(proc)
         _, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"the two-process run did not finish in 300 s: {stderr[-3000:]}") from None
+        raise AssertionError(f"the two-process run did not finish in {timeout} s: {stderr[-3000:]}") from None
+    return stderr
+
+
+def test_two_process_ddp_run(tmp_path, capsys):
+    proc = launch_two(tmp_path, "steps=3")
+    stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     digests = json.loads((tmp_path / "replicas.json").read_text())["param_sha256_by_rank"]
     assert len(digests) == 2 and digests[0] == digests[1]
@@ -68,3 +90,40 @@ def test_two_process_ddp_run(tmp_path):
         assert prompts[0] and prompts[1] and not set(map(tuple, prompts[0])) & set(map(tuple, prompts[1]))
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # only the main process logs
+    # its checkpoint holds two processes' data and random streams: one process must not continue it
+    assert main(["train", "core/tiny_grpo", f"output_dir={tmp_path}", *TINY, "steps=4", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert "written by 2 process(es)" in err and "this launch has 1" in err and "Traceback" not in err
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+    ]
+
+
+@pytest.mark.slow
+def test_a_paused_rank_is_reported_by_the_one_waiting_for_it(tmp_path):
+    """SIGSTOP one rank mid-run: the other says, within collective_warn_seconds, that it is waiting
+    and where; after SIGCONT the run finishes normally."""
+    proc = launch_two(tmp_path, "steps=30", "collective_warn_seconds=2", "checkpoint_every=100")
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled early"
+            time.sleep(0.05)
+        ranks = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "mmrl" in " ".join(p.cmdline())
+        ]
+        paused = next(p for p in ranks if "LOCAL_RANK" in p.environ() and p.environ()["LOCAL_RANK"] == "1")
+        paused.suspend()
+        time.sleep(8)
+        paused.resume()
+        stderr = finish(proc)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "has waited" in line]
+    assert lines and all("process 0 of 2" in line for line in lines), stderr[-3000:]
+    assert "collective_warn_seconds = 2" in lines[0]
