@@ -188,6 +188,11 @@ def test_benchmark_round_trip(tmp_path):
         (lambda row: row.update(options=[]), "no 'options'"),
         (lambda row: row.update(options="A B C D"), "'options' must be a list"),
         (lambda row: row.update(image="images/missing.png"), "image 'images/missing.png' not found"),
+        (
+            lambda row: row.update(image="../../../../etc/passwd"),
+            "image '../../../../etc/passwd' leads outside",
+        ),
+        (lambda row: row.update(image="/etc/passwd"), "image '/etc/passwd' leads outside"),
         (lambda row: row.update(answer="E"), "answer 'E' is not one of the letters ABCD"),
         (lambda row: row.update(answer="AB"), "answer 'AB' is not one of the letters ABCD"),
         (lambda row: row.update(answer=1), "'answer' must be a string"),

@@ -597,7 +597,13 @@ def read_row(line: str, index: int, root: Path | str) -> MCQuestion:
         raise ValueError(f"{where}: answer {row['answer']!r} is not one of the letters {letters}")
     if row.get("needs_zoom") not in (None, True, False):
         raise ValueError(f"{where}: 'needs_zoom' must be true, false or null, got {row['needs_zoom']!r}")
-    image_path = Path(root) / row["image"]
+    try:  # links followed: a row must not make training open ../../etc/passwd or a link out
+        image_path = (Path(root) / row["image"]).resolve()
+        inside = image_path.is_relative_to(Path(root).resolve())
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"{where}: image {row['image']!r} cannot be resolved ({err})") from None
+    if not inside:
+        raise ValueError(f"{where}: image {row['image']!r} leads outside {str(root)!r}; refused")
     if not image_path.is_file():
         raise ValueError(f"{where}: image {row['image']!r} not found at {image_path}")
     return MCQuestion(
