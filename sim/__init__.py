@@ -4,15 +4,20 @@
 `gymnasium.make(...)`, `gymnasium.make_vec(...)` or `sim.make(name)` (which also takes "Reach" etc.).
 `sim.make` also builds the external tasks of `EXTERNAL_TASKS` by their gymnasium id (e.g.
 "FetchReach-v4" from gymnasium-robotics) with the same observations, info and options.
-Headless rendering defaults to EGL: set MUJOCO_GL before importing sim (or mujoco) to choose another.
+Headless rendering defaults to EGL where libEGL is installed: set MUJOCO_GL before importing sim (or
+mujoco) to choose another.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import difflib
 import os
 
-os.environ.setdefault("MUJOCO_GL", "egl")
+# EGL only where its library exists: mujoco's import fails outright when MUJOCO_GL=egl and libEGL is
+# missing, which would take state-only use down with it; rendering then says what to install
+if ctypes.util.find_library("EGL"):
+    os.environ.setdefault("MUJOCO_GL", "egl")
 
 import gymnasium as gym  # noqa: E402
 

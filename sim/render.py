@@ -38,9 +38,10 @@ class CameraRenderer:
         ):
             # GLFW aborts the whole process without a display; fail with a reason instead
             raise RuntimeError(
-                "mujoco chose its GLFW (windowed) backend, which needs a display: it was imported before "
-                "MUJOCO_GL was set. Import sim before mujoco (sim sets MUJOCO_GL=egl) or export "
-                "MUJOCO_GL=egl / osmesa, or use obs_mode='state'."
+                "mujoco chose its GLFW (windowed) backend, which needs a display: libEGL is not installed "
+                "(Debian: apt-get install libegl1 libopengl0 libegl-mesa0 libgl1-mesa-dri), or mujoco was "
+                "imported before MUJOCO_GL was set. Install EGL and import sim before mujoco (sim sets "
+                "MUJOCO_GL=egl), export MUJOCO_GL=egl / osmesa, or use obs_mode='state'."
             )
         try:
             self._renderer = mujoco.Renderer(model, height=height, width=width)
