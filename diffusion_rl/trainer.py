@@ -18,6 +18,7 @@ steps inside the window and at split steps, ODE elsewhere, and only SDE steps ar
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,11 +45,17 @@ from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, REWARDS, TRAINERS, UnknownNameError
+from mmrl.resources import check_at_most, check_memory
 from mmrl.samplers import UniformSampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree, depthwise_node_advantages, width_prune
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_BRANCH_FACTOR = 1024
+MAX_IMAGE_SIZE = 4096
+# latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
+FORWARD_LATENTS = 64
+TRAINING_LATENTS = 512  # the same with gradients
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +190,10 @@ class BranchGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: explore.keep = {self.explore.keep} must be even (best and worst halves)"
             )
+        check_at_most("rollout.branch_factor", r.branch_factor, MAX_BRANCH_FACTOR, "groups hold 4 to 256")
+        check_at_most("explore.branch_factor", self.explore.branch_factor, MAX_BRANCH_FACTOR, "pool size")
+        if r.image_size is not None:
+            check_at_most("rollout.image_size", r.image_size, MAX_IMAGE_SIZE, "models draw up to 2048 px")
         self.check_tree_keys()
 
     def check_tree_keys(self) -> None:
@@ -280,6 +291,47 @@ def plan_for(rollout: RolloutConfig, steps: int | None = None, branch_factor: in
     if rollout.sde == "ddim":  # DDIM's last step (to sigma = 0) has no noise: it is an ODE step
         sde_mask[-1] = False
     return TreePlan(steps, splits, branch_factor or rollout.branch_factor, sde_mask)
+
+
+def check_rollout_size(
+    cfg: BranchGRPOConfig, pipe: FlowPipeline, prompts: int, processes: int, device: torch.device
+) -> None:
+    """Refuse a step that would draw a prompt twice, or whose rollouts and updates cannot fit on
+    `device`: every stochastic step of every node keeps its input and output latents, each model
+    evaluation runs on all of a step's nodes at once (twice with guidance), and each update runs
+    `train.micro_batch` steps with gradients."""
+    r = cfg.rollout
+    if r.prompts_per_step * processes > prompts:
+        source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
+        raise ConfigError(
+            f"config error: rollout.prompts_per_step = {r.prompts_per_step} x {processes} process(es) is "
+            f"more than the {prompts} {source}, so a step would draw prompts twice: lower "
+            "rollout.prompts_per_step or give a longer prompt_file"
+        )
+    latent = 4 * math.prod(pipe.latent_shape())
+    side = pipe.latent_shape()[-1] * pipe.vae_scale
+    plans = {"rollout.branch_factor": plan_for(r)}
+    if cfg.explore.enabled:
+        plans["explore.branch_factor"] = plan_for(r, cfg.explore.steps, cfg.explore.branch_factor)
+    per_prompt = {}  # key of the branch factor: (bytes, leaves, stochastic node steps) per prompt
+    for key, plan in plans.items():
+        rows, records = 1, 0
+        for i in range(plan.steps):
+            rows *= plan.branch_factor if i in plan.split_steps else 1
+            records += rows if plan.sde_mask[i] else 0
+        need = latent * (2 * records + 2 * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
+        per_prompt[key] = (need, rows, records)
+    factor = max(per_prompt, key=lambda key: per_prompt[key][0])  # the larger tree: rollout or exploration
+    need, leaves, _ = per_prompt[factor]
+    micro_batch = min(cfg.train.micro_batch, r.prompts_per_step * per_prompt["rollout.branch_factor"][2])
+    check_memory(
+        r.prompts_per_step * need + 2 * micro_batch * TRAINING_LATENTS * latent,
+        f"rollout trees of {r.prompts_per_step} prompts x {leaves} leaves of {side}x{side} px and updates "
+        f"of {micro_batch} denoising steps (rollout.prompts_per_step x "
+        f"{factor}^len(rollout.split_steps), rollout.image_size, train.micro_batch)",
+        ["rollout.prompts_per_step", factor, "rollout.image_size", "train.micro_batch"],
+        device,
+    )
 
 
 @torch.no_grad()
@@ -458,6 +510,9 @@ class BranchGRPOTrainer(Trainer):
                 raise ConfigError(
                     f"config error: rollout.image_size = {cfg.rollout.image_size}: {err}"
                 ) from None
+        check_rollout_size(
+            cfg, self.pipe, len(self.prompts), self.accelerator.num_processes, self.accelerator.device
+        )
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)

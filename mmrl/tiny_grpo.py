@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,15 @@ from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, SAMPLERS, TRAINERS
+from mmrl.resources import ACTIVATION_FLOATS, check_at_most, check_memory
 from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree, depthwise_node_advantages
 
 DIGITS = 10
 BOS, SEP = 10, 11
 VOCAB = 12
+MAX_BRANCH_FACTOR = 1024
+MAX_PROMPT_DRAWS = 20_000_000  # random draws of the distinct-prompt loop: about two minutes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,10 +110,64 @@ class TinyGRPOConfig(BaseConfig):
                 f"config error: rollout.split_positions = {self.rollout.split_positions} must be increasing, "
                 f"start at 0 and stay below task.digits = {self.task.digits}"
             )
+        check_at_most(
+            "rollout.branch_factor", self.rollout.branch_factor, MAX_BRANCH_FACTOR, "groups hold 4 to 256"
+        )
+        check_task_size(self.task)
 
 
 # ---------------------------------------------------------------------------------------------
 # Task and model
+
+
+def check_task_size(task: TinyTaskConfig) -> None:
+    """Refuse a prompt set that cannot exist, would take minutes to draw or cannot fit in memory:
+    `make_prompts` draws distinct strings by rejection, so its loop grows without bound near the
+    number of strings there are."""
+    space = DIGITS**task.digits
+    wanted = task.train_prompts + task.heldout_prompts
+    if wanted > space:
+        raise ConfigError(
+            f"config error: task.train_prompts + task.heldout_prompts = {wanted} distinct prompts, but only "
+            f"{space} strings of task.digits = {task.digits} digits exist: lower task.train_prompts or "
+            "raise task.digits"
+        )
+    # tuples in a set and a list while drawing, then the tensor
+    check_memory(
+        wanted * (128 + 16 * task.digits),
+        f"the prompt set of {wanted} prompts (task.train_prompts + task.heldout_prompts)",
+        ["task.train_prompts", "task.heldout_prompts"],
+    )
+    free = space - task.heldout_prompts  # expected draws: space * (H(free) - H(free - n))
+    draws = task.heldout_prompts + space * math.log1p(task.train_prompts / (free - task.train_prompts + 0.5))
+    if draws > MAX_PROMPT_DRAWS:
+        raise ConfigError(
+            f"config error: drawing task.train_prompts = {task.train_prompts} distinct prompts of "
+            f"task.digits = {task.digits} digits takes about {draws / 1e6:.0f} million random draws "
+            f"(allowed: {MAX_PROMPT_DRAWS // 1_000_000} million, a few minutes): lower task.train_prompts"
+            + (" or raise task.digits" if task.train_prompts > free / 2 else "")
+        )
+
+
+def check_rollout_size(cfg: TinyGRPOConfig, model: Qwen2Config, processes: int, device: torch.device) -> None:
+    """Refuse a step that would draw a prompt twice, or whose rollout trees and training forward
+    cannot fit on `device`; run before the first rollout."""
+    r = cfg.rollout
+    if r.prompts_per_step * processes > cfg.task.train_prompts:
+        raise ConfigError(
+            f"config error: rollout.prompts_per_step = {r.prompts_per_step} x {processes} process(es) is "
+            f"more than task.train_prompts = {cfg.task.train_prompts}, so a step would draw prompts twice: "
+            "lower rollout.prompts_per_step or raise task.train_prompts"
+        )
+    leaves = r.prompts_per_step * r.branch_factor ** len(r.split_positions)
+    tokens = 2 * cfg.task.digits + 2
+    check_memory(
+        leaves * tokens * 4 * ACTIVATION_FLOATS * model.hidden_size * model.num_hidden_layers,
+        f"a rollout batch of {r.prompts_per_step} prompts x {leaves // r.prompts_per_step} leaves "
+        "(rollout.prompts_per_step x rollout.branch_factor^len(rollout.split_positions))",
+        ["rollout.prompts_per_step", "rollout.branch_factor"],
+        device,
+    )
 
 
 def make_prompts(n: int, digits: int, seed: int, exclude: set[tuple[int, ...]] | None = None) -> torch.Tensor:
@@ -325,6 +383,7 @@ class TinyGRPOTrainer(Trainer):
         cfg = self.config
         self.heldout, self.train_prompts = split_prompts(cfg.task)
         model = build_model(cfg.model, cfg.task.digits)
+        check_rollout_size(cfg, model.config, self.accelerator.num_processes, self.accelerator.device)
         self.reference = copy.deepcopy(model).requires_grad_(False) if cfg.train.kl_coef > 0 else None
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
@@ -511,6 +570,9 @@ class TinySFTConfig(BaseConfig):
     model: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
     task: TinyTaskConfig = dataclasses.field(default_factory=TinyTaskConfig)
     train: TinySFTTrainConfig = dataclasses.field(default_factory=TinySFTTrainConfig)
+
+    def __post_init__(self) -> None:
+        check_task_size(self.task)
 
 
 @TRAINERS.register("tiny_sft")

@@ -73,6 +73,7 @@ from mmrl import advantages as _advantages  # noqa: F401  (fills the ADVANTAGES 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
+from mmrl.resources import check_at_most, check_memory
 from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.buffer import ReplayBuffer
 from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, open_dataset
@@ -83,6 +84,8 @@ from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy
 from vla_rl.pretrain import checked_task, frame_tensors
 
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
+MAX_ENVS = 1024
+ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +237,8 @@ class VLAHABCConfig(BaseConfig):
     def __post_init__(self) -> None:
         self.rollout.task = checked_task(self.rollout.task, "rollout.task")
         r = self.rollout
+        check_at_most("rollout.num_envs", r.num_envs, MAX_ENVS, "each is a simulator with a renderer")
+        check_at_most("eval.num_envs", self.eval.num_envs, MAX_ENVS, "each is a simulator with a renderer")
         if r.num_envs % r.group_size:
             raise ConfigError(
                 f"config error: rollout.group_size = {r.group_size} must divide "
@@ -253,6 +258,22 @@ class VLAHABCConfig(BaseConfig):
                 f"{train_seeds.start}..{train_seeds.stop - 1} (rollout.seed = {r.seed}): "
                 "choose seeds that do not overlap"
             )
+
+
+def check_env_size(cfg: VLAHABCConfig, image_size: int) -> None:
+    """Refuse environments and a replay buffer that cannot fit in memory: every environment holds a
+    simulator and its renderer, every stored transition a uint8 camera frame (twice while a checkpoint
+    copies the buffer); the buffer holds at most its capacity and at most what the run's env-step
+    budget collects."""
+    envs = cfg.rollout.num_envs + cfg.eval.num_envs
+    capacity = 2 * cfg.train.buffer_capacity + cfg.train.failure_capacity
+    frames = min(capacity, cfg.steps * cfg.rollout.env_steps)
+    check_memory(
+        envs * ENV_BYTES + frames * 2 * 3 * image_size**2,
+        f"{envs} environments (rollout.num_envs + eval.num_envs) and a replay buffer of {frames} frames of "
+        f"{image_size} px (2 x train.buffer_capacity + train.failure_capacity, or steps x rollout.env_steps)",
+        ["rollout.num_envs", "eval.num_envs", "train.buffer_capacity"],
+    )
 
 
 def seed_block(cfg: VLAHABCConfig) -> int:
@@ -476,6 +497,7 @@ class VLAHABCTrainer(Trainer):
             self.policy = VLAPolicy.from_pretrained(cfg.model.path, device=self.accelerator.device).train()
         except ConfigError as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
+        check_env_size(cfg, self.policy.config.image_size)
         kwargs: dict[str, Any] = {"obs_mode": "state+rgb", "image_size": self.policy.config.image_size}
         if cfg.rollout.max_episode_steps:
             kwargs["max_episode_steps"] = cfg.rollout.max_episode_steps

@@ -27,11 +27,13 @@ from typing import Any, Literal
 
 import torch
 from accelerate.utils import gather_object
+from transformers import PretrainedConfig
 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey
 from mmrl.registry import ADVANTAGES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
+from mmrl.resources import ACTIVATION_FLOATS, check_at_most, check_memory
 from mmrl.samplers import keep_groups
 from mmrl.trainer import Trainer
 from vlm_rl.data import DataConfig, QuestionSet
@@ -48,6 +50,8 @@ from vlm_rl.rollout import (
 from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 
 DEFAULT_MODEL = "runs/pretrain/vlm/model"
+MAX_GROUP_SIZE = 1024
+MAX_CANVAS_SIZE = 4096
 
 
 @dataclass
@@ -92,6 +96,48 @@ class ToolGRPOConfig(BaseConfig):
         list(TOOL_MODES), "tool modes evaluated before and after", choices=TOOL_MODES
     )
 
+    def __post_init__(self) -> None:
+        check_at_most("train.group_size", self.train.group_size, MAX_GROUP_SIZE, "groups hold 4 to 256")
+        check_at_most("data.canvas_size", self.data.canvas_size, MAX_CANVAS_SIZE, "the task needs 448 px")
+
+
+def check_rollout_size(
+    cfg: ToolGRPOConfig,
+    model: PretrainedConfig,
+    questions: tuple[int, int],
+    processes: int,
+    device: torch.device,
+) -> None:
+    """Refuse a step that would draw a question twice, or whose rollouts, updates and held-out images
+    cannot fit on `device`: every rollout keeps its images and a key/value cache of up to
+    `rollout.max_tokens` tokens, and each update runs `train.micro_batch` sequences with gradients and
+    full logits. `questions`: (training, held-out) set sizes. Images of a question file are not
+    counted (their sizes are known only once loaded)."""
+    n, g = cfg.train.questions_per_step, cfg.train.group_size
+    if n * processes > questions[0]:
+        raise ConfigError(
+            f"config error: train.questions_per_step = {n} x {processes} process(es) is more than the "
+            f"{questions[0]} training questions (data.train_size, or the rows of data.source), so a step "
+            "would draw questions twice: lower train.questions_per_step or use more questions"
+        )
+    text = model.get_text_config()
+    hidden, layers, tokens = text.hidden_size, text.num_hidden_layers, cfg.rollout.max_tokens
+    synthetic = cfg.data.source == "zoom_task"
+    image = 3 * cfg.data.canvas_size**2 if synthetic else 0
+    rollouts = n * g * (cfg.rollout.max_images * image + tokens * layers * 2 * hidden * 4)
+    sequences = min(cfg.train.micro_batch, -(-n * g // cfg.train.minibatches))  # one micro-batch
+    update = sequences * tokens * 4 * (ACTIVATION_FLOATS * hidden * layers + 3 * text.vocab_size)
+    images = f" of {cfg.data.canvas_size} px (data.canvas_size)" if synthetic else ""
+    check_memory(
+        rollouts + update + questions[1] * image,
+        f"rollouts of {n} questions x {g} (train.questions_per_step x train.group_size), each up to "
+        f"{tokens} tokens (rollout.max_tokens) and {cfg.rollout.max_images} images{images}, updates of "
+        f"{sequences} sequences (train.micro_batch) and {questions[1]} held-out questions",
+        ["train.questions_per_step", "train.group_size", "rollout.max_tokens", "train.micro_batch"]
+        + (["data.canvas_size"] if synthetic else []),
+        device,
+    )
+
 
 def load_policy(path: str) -> VLMAdapter:
     """A local checkpoint; a missing or unusable one is a config error naming model.path."""
@@ -117,10 +163,17 @@ class ToolGRPOTrainer(Trainer):
             raise ConfigError(f"config error: reward.name: {err}") from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
+        self.adapter = load_policy(cfg.model.path).to(self.accelerator.device)
         self.train_set = QuestionSet(cfg.data, "train")
         heldout = QuestionSet(cfg.data, "heldout")
+        check_rollout_size(
+            cfg,
+            self.adapter.model.config,
+            (len(self.train_set), len(heldout)),
+            self.accelerator.num_processes,
+            self.accelerator.device,
+        )
         self.heldout = [heldout[i] for i in range(len(heldout))]
-        self.adapter = load_policy(cfg.model.path).to(self.accelerator.device)
         self.engine = None
         if cfg.rollout.backend == "vllm":
             if not vllm_available():

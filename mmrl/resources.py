@@ -1,0 +1,73 @@
+"""Order-of-magnitude guards on sizes: refuse a config whose rollout batch, tree or data set cannot fit
+in memory, in one line that names the keys to lower, before anything of that size is allocated.
+
+Trainers estimate the bytes their largest structure will hold from their config (approximately: the
+point is to refuse configs 10 or 100 times too big, not to predict usage) and call `check_memory`.
+The memory available is the device's free memory (CUDA), or the machine's available RAM; the
+environment variable ``MMRL_MEMORY_LIMIT_GB`` replaces it, e.g. to allow a run that swaps or to
+keep one small on a shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from mmrl.config import ConfigError
+
+LIMIT_ENV = "MMRL_MEMORY_LIMIT_GB"
+GIB = 2**30
+# fp32 values a transformer's training forward keeps per token, hidden unit and layer (rough, from the
+# tiny Qwen2 of the core task): activations = tokens x hidden x layers x this x 4 bytes
+ACTIVATION_FLOATS = 32
+
+
+def available_memory(device: str | torch.device = "cpu") -> tuple[int, str]:
+    """Bytes a run may use on `device`, and who says so (for the error message)."""
+    limit = os.environ.get(LIMIT_ENV, "").strip()
+    if limit:
+        try:
+            gib = float(limit)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ConfigError(
+                f"config error: environment variable {LIMIT_ENV} = {limit!r} is not a positive number of "
+                f"GiB: set it to e.g. 16, or unset it to use the memory this machine has"
+            )
+        return int(gib * GIB), f"{LIMIT_ENV} allows"
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"{device} has"
+    try:
+        import psutil
+    except ImportError:  # a plain install has no psutil: physical memory, an upper bound
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine has"
+    return psutil.virtual_memory().available, "this machine has"
+
+
+def check_memory(need: float, what: str, keys: Sequence[str], device: str | torch.device = "cpu") -> None:
+    """Raise ConfigError if `need` bytes exceed what `device` has available.
+
+    `what` says what needs the memory and how it grows with the config (e.g. "a rollout batch of
+    8 prompts x 16 leaves (rollout.prompts_per_step x rollout.branch_factor^splits)"); `keys` are
+    the config keys that make it smaller."""
+    have, source = available_memory(device)
+    if need > have:
+        raise ConfigError(
+            f"config error: {what} needs about {need / GIB:.1f} GiB; {source} {have / GIB:.1f} GiB "
+            f"available: lower {_either(keys)} (or set {LIMIT_ENV} if the estimate is too high)"
+        )
+
+
+def _either(keys: Sequence[str]) -> str:
+    return " or ".join(keys) if len(keys) < 3 else f"{', '.join(keys[:-1])} or {keys[-1]}"
+
+
+def check_at_most(key: str, value: int, limit: int, why: str) -> None:
+    """A size far above any sensible value is a mistake (an extra zero), refused before any work."""
+    if value > limit:
+        raise ConfigError(f"config error: {key} = {value} is out of range: allowed <= {limit} ({why})")
