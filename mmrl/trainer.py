@@ -100,8 +100,9 @@ class Trainer:
         torch.manual_seed(seed)
 
     def prepare_run_dir(self) -> None:
-        """Check the run directory and the checkpoint to resume from before any work, then write
-        the config: a mistake fails here, in one line, instead of after training steps."""
+        """Check the run directory and the checkpoint to resume from before any work: a mistake
+        fails here, in one line, instead of after training steps. Nothing is written but the
+        (empty) directory itself; `start_run_dir` writes once `setup` has checked the rest."""
         check_output_dir(self.config.output_dir, "output_dir")
         for folder in (self.checkpoint_dir, self.samples_dir):
             if folder.exists():
@@ -114,6 +115,10 @@ class Trainer:
             )
         if self.config.resume:
             self.resume_from = self.find_resume_checkpoint()
+
+    def start_run_dir(self) -> None:
+        """Clean up after killed checkpoint writes and record the config (after `setup`, whose own
+        checks of models, data and sizes must also pass before anything is written)."""
         self.accelerator.wait_for_everyone()  # every rank has read the checkpoints before any is moved
         if self.is_main:
             removed = remove_unfinished_writes(self.checkpoint_dir)
@@ -215,6 +220,7 @@ class Trainer:
         self.prepare_run_dir()
         self.seed_everything()
         self.setup()
+        self.start_run_dir()
         start = self.restore() if self.config.resume else 0
         log = MetricsLog(self.run_dir, self.config.tensorboard, resume_step=start) if self.is_main else None
         if start == 0:

@@ -47,6 +47,7 @@ def test_tiny_grpo_update_raises_rewarded_answers(tmp_path, monkeypatch):
     trainer.prepare_run_dir()
     trainer.seed_everything()
     trainer.setup()
+    trainer.start_run_dir()
     seen = {}
 
     def reward(prompts, answers):  # answers starting with a low digit are right
@@ -102,6 +103,7 @@ def branch_trainer(recipe, flow_dir, run_dir, *overrides):
     trainer.prepare_run_dir()
     trainer.seed_everything()
     trainer.setup()
+    trainer.start_run_dir()
     return trainer
 
 
@@ -221,6 +223,7 @@ def test_tool_grpo_update_raises_the_rewarded_conversations(tmp_path, monkeypatc
     trainer.prepare_run_dir()
     trainer.seed_everything()
     trainer.setup()
+    trainer.start_run_dir()
     seen = {}
     optimise = trainer.optimise
 

@@ -549,6 +549,7 @@ def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
     )
     with pytest.raises(ConfigError, match=message):
         VLAHABCTrainer(config).train()
+    assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run directory is written
 
 
 # ----- replay buffer -------------------------------------------------------------------------------
