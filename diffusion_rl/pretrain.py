@@ -118,7 +118,7 @@ class DiffusionPretrainTrainer(Trainer):
         pred = self.pipe.velocity(x_sigma, sigma, cond, denoiser=self.model)
         loss = F.mse_loss(pred.float(), (noise - x0).float())
         self.optimizer.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
+        self.backward(loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.scheduler.step()

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from accelerate.utils import gather_object
 
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.sampling import evaluate_alignment, save_grid
@@ -40,6 +39,7 @@ from diffusion_rl.sde import (
     sde_step_mask,
 )
 from diffusion_rl.shapes import train_prompts
+from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
@@ -121,7 +121,12 @@ class ExploreConfig:
 @dataclass
 class TrainConfig:
     lr: float = option(1e-4, "AdamW learning rate", min=0.0)
-    advantage: str = option("tree_depthwise", "advantage estimator", registry="advantage")
+    advantage: str = option(
+        "tree_depthwise",
+        "advantage estimator: tree_depthwise, or a group one when rollout.split_steps = [0]",
+        registry="advantage",
+        inputs=("group rewards", "tree node rewards"),
+    )
     clip_low: float = option(1e-4, "PPO ratio clip below 1 (per-step ratios are close to 1)", min=0.0)
     clip_high: float = option(1e-4, "PPO ratio clip above 1", min=0.0)
     adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
@@ -185,6 +190,14 @@ class BranchGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: rollout.sde_window = {r.sde_window} must be [start, end] with "
                 f"0 <= start <= end <= rollout.steps = {r.steps}"
+            )
+        if len(r.split_steps) == 1:
+            check_group_size(self.train.advantage, r.branch_factor, "rollout.branch_factor")
+        elif self.train.advantage != "tree_depthwise":
+            raise ConfigError(
+                f"config error: train.advantage = {self.train.advantage!r} scores leaves only, but "
+                f"rollout.split_steps = {r.split_steps} builds trees whose shared edges need node "
+                "advantages: use train.advantage=tree_depthwise, or rollout.split_steps=[0]"
             )
         if self.explore.enabled and self.explore.keep % 2:
             raise ConfigError(
@@ -690,7 +703,7 @@ class BranchGRPOTrainer(Trainer):
         # flat estimators: one group per prompt, statistics over every process's leaves
         leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
         local = [(ids[t], trees[t].nodes[leaf].reward) for t, leaf in leaves]
-        gathered = gather_object([local])
+        gathered = self.gather([local], "every process's leaf rewards")
         rank = self.accelerator.process_index
         offset = sum(len(part) for part in gathered[:rank])
         everything = [item for part in gathered for item in part]
@@ -773,7 +786,7 @@ class BranchGRPOTrainer(Trainer):
                     loss = loss + cfg.train.kl_coef * kl
                 if not self.all_finite(loss, out.log_prob):
                     return self.skip_step("non-finite loss or log-prob", cfg.train.nan_patience)
-                self.accelerator.backward(loss * len(chunk) / len(minibatch))
+                self.backward(loss * len(chunk) / len(minibatch))
                 stats.append((len(chunk), result.metrics, float(loss.detach())))
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
             if not torch.isfinite(torch.as_tensor(grad_norm)):

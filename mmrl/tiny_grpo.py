@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from safetensors import SafetensorError
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey, keyed_rand_batch
@@ -79,7 +79,10 @@ class TinyGRPOTrainConfig:
     warmup_steps: int = option(0, "linear learning-rate warm-up steps", min=0)
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
     advantage: str = option(
-        "grpo", "advantage estimator (tree rollouts use tree_depthwise)", registry="advantage"
+        "grpo",
+        "advantage estimator: a group one (flat rollouts) or tree_depthwise (any rollouts)",
+        registry="advantage",
+        inputs=("group rewards", "tree node rewards"),
     )
     sampler: str = option("uniform", "prompt sampler", registry="sampler")
     ppo_epochs: int = option(2, "optimisation passes over each batch of rollouts", min=1)
@@ -88,6 +91,7 @@ class TinyGRPOTrainConfig:
     adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
     kl_coef: float = option(0.0, "weight of the k3 KL to the frozen start model", min=0.0)
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    nan_patience: int = option(3, "non-finite losses or gradients in a row before the run stops", min=1)
 
 
 @dataclass
@@ -109,6 +113,14 @@ class TinyGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: rollout.split_positions = {self.rollout.split_positions} must be increasing, "
                 f"start at 0 and stay below task.digits = {self.task.digits}"
+            )
+        if len(self.rollout.split_positions) == 1:
+            check_group_size(self.train.advantage, self.rollout.branch_factor, "rollout.branch_factor")
+        elif self.train.advantage != "tree_depthwise":
+            raise ConfigError(
+                f"config error: train.advantage = {self.train.advantage!r} scores leaves only, but "
+                f"rollout.split_positions = {self.rollout.split_positions} builds trees whose shared edges "
+                "need node advantages: use train.advantage=tree_depthwise, or split_positions=[0]"
             )
         check_at_most(
             "rollout.branch_factor", self.rollout.branch_factor, MAX_BRANCH_FACTOR, "groups hold 4 to 256"
@@ -396,7 +408,6 @@ class TinyGRPOTrainer(Trainer):
             self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1))
         )
         self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_prompts), seed=cfg.seed)
-        self.tree_rollouts = len(cfg.rollout.split_positions) > 1
 
     def trainer_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
@@ -434,7 +445,7 @@ class TinyGRPOTrainer(Trainer):
         # the sampler sees every process's groups, so its state stays identical on all ranks;
         # groups it filters out (e.g. dynamic_filter: all rewards equal) are not trained on
         per_group = leaf_rewards.view(len(trees), -1)
-        gathered = gather_object([(mine, per_group.tolist())])
+        gathered = self.gather([(mine, per_group.tolist())], "every process's group rewards")
         indices = [i for part in gathered for i in part[0]]
         rewards = torch.tensor([r for part in gathered for group in part[1] for r in group])
         group_ids = torch.arange(len(indices)).repeat_interleave(per_group.shape[1])
@@ -464,11 +475,16 @@ class TinyGRPOTrainer(Trainer):
                 kl = (kl_to_reference(logp, ref_logp, kind="k3") * mask).sum() / mask.sum().clamp(min=1)
                 loss = loss + cfg.train.kl_coef * kl
                 metrics["kl"] = kl.detach()
+            if not self.all_finite(loss):
+                return self.skip_step("non-finite loss", cfg.train.nan_patience)
             self.optimizer.zero_grad(set_to_none=True)
-            self.accelerator.backward(loss)
+            self.backward(loss)
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
+            if not self.all_finite(grad_norm):
+                return self.skip_step("non-finite gradient", cfg.train.nan_patience)
             self.optimizer.step()
         self.scheduler.step()
+        self.nan_streak = 0
 
         self.write_samples(step, prompts, trees)
         metrics.update(
@@ -485,7 +501,7 @@ class TinyGRPOTrainer(Trainer):
     def node_advantages(self, trees: list[RolloutTree]) -> dict[tuple[int, int], float]:
         """A(node) for every non-root node, keyed by (tree index, node id)."""
         cfg = self.config
-        if self.tree_rollouts:
+        if cfg.train.advantage == "tree_depthwise":
             return depthwise_node_advantages(trees, "mean", cfg.train.adv_clip)
         leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
         rewards = torch.tensor([trees[t].nodes[leaf].reward for t, leaf in leaves])
@@ -544,7 +560,7 @@ class TinyGRPOTrainer(Trainer):
         digest = hashlib.sha256()
         for tensor in self.accelerator.unwrap_model(self.model).state_dict().values():
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        digests = gather_object([digest.hexdigest()])
+        digests = self.gather([digest.hexdigest()], "parameter digests")
         if self.is_main:
             (self.run_dir / "replicas.json").write_text(json.dumps({"param_sha256_by_rank": digests}))
             if len(set(digests)) > 1:
@@ -609,7 +625,7 @@ class TinySFTTrainer(Trainer):
         targets[noisy] = torch.randint(0, DIGITS, (int(noisy.sum()),), generator=g)
         loss = -answer_logprobs(self.model, prompts, targets).mean()
         self.optimizer.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
+        self.backward(loss)
         self.optimizer.step()
         return {"loss": loss.detach()}
 

@@ -808,7 +808,7 @@ class VLAHABCTrainer(Trainer):
             self.skip_step("non-finite actor loss", cfg.nan_patience)
             return None
         self.optimizer.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
+        self.backward(loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         if not self.all_finite(torch.as_tensor(grad_norm)):
             self.skip_step("non-finite actor gradient", cfg.nan_patience)

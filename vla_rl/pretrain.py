@@ -290,7 +290,7 @@ class VLABCTrainer(Trainer):
             return self.skip_step("non-finite behaviour-cloning loss", cfg.nan_patience)
         self.nan_streak = 0
         self.optimizer.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
+        self.backward(loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

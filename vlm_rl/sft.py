@@ -153,7 +153,7 @@ class VLMSFTTrainer(Trainer):
         log_probs = self.adapter.token_log_probs(batch, target, model=self.model)
         loss = -log_probs.sum() / target.sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
+        self.backward(loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

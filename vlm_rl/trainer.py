@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from accelerate.utils import gather_object
 from transformers import PretrainedConfig
 
+from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey
@@ -66,7 +66,12 @@ class ToolGRPOTrainConfig:
     group_size: int = option(8, "rollouts per question", min=2)
     sampler: str = option("beta_thompson", "question sampler", registry="sampler")
     filter_equal_groups: bool = option(True, "drop groups whose rewards are all equal (no signal)")
-    advantage: str = option("grpo", "advantage estimator over each question's group", registry="advantage")
+    advantage: str = option(
+        "grpo",
+        "advantage estimator over each question's group",
+        registry="advantage",
+        inputs=("group rewards",),
+    )
     clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0)
     clip_high: float = option(0.28, "PPO ratio clip above 1 (DAPO clip-higher)", min=0.0)
     adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
@@ -97,6 +102,7 @@ class ToolGRPOConfig(BaseConfig):
     )
 
     def __post_init__(self) -> None:
+        check_group_size(self.train.advantage, self.train.group_size, "train.group_size")
         check_at_most("train.group_size", self.train.group_size, MAX_GROUP_SIZE, "groups hold 4 to 256")
         check_at_most("data.canvas_size", self.data.canvas_size, MAX_CANVAS_SIZE, "the task needs 448 px")
 
@@ -240,7 +246,9 @@ class ToolGRPOTrainer(Trainer):
         ).float()
 
         # every process sees every group, so the sampler's state stays identical on all of them
-        gathered = gather_object([(slots, rewards.tolist(), [float(c) for c in correct])])
+        gathered = self.gather(
+            [(slots, rewards.tolist(), [float(c) for c in correct])], "every process's rewards"
+        )
         all_slots = [s for part in gathered for s in part[0]]
         all_rewards = torch.tensor([r for part in gathered for r in part[1]])
         all_correct = torch.tensor([c for part in gathered for c in part[2]])
@@ -291,7 +299,7 @@ class ToolGRPOTrainer(Trainer):
                 weight = sum(trajectories[i].generated_tokens for i in rows) / max(tokens, 1)
                 if cfg.aggregation == "sequence_mean":
                     weight = len(rows) / len(part)
-                self.accelerator.backward(loss * weight)
+                self.backward(loss * weight)
                 stats.append((len(rows), metrics, float(loss.detach())))
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             if not self.all_finite(torch.as_tensor(grad_norm)):

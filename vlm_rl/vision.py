@@ -187,7 +187,7 @@ class VLMVisionTrainer(Trainer):
         logits = self.model(images)
         loss = token_loss(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
-        self.accelerator.backward(loss)
+        self.backward(loss)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
