@@ -67,6 +67,23 @@ def test_non_finite_config_numbers_are_refused(override, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (bytes(range(256)) * 4, "not UTF-8"),
+        (b"trainer: tiny_grpo\ntrain:\n  lr: 1.0e-3\n  lr: 1.0e-2\n", "key 'lr' is written twice"),
+        (b"trainer: tiny_grpo\nsteps: 3\nsteps: 4\n", "key 'steps' is written twice"),
+        (b"- trainer\n- tiny_grpo\n", "must hold a mapping"),
+    ],
+)
+def test_unreadable_or_ambiguous_yaml_is_refused(content, named, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(content)
+    assert main(["train", str(path), f"output_dir={tmp_path}/run"]) == 2
+    line = one_error_line(capsys)
+    assert str(path) in line and named in line
+
+
+@pytest.mark.parametrize(
     ("recipe", "override", "named"),
     [
         ("core/tiny_grpo", "train.advantage=awr", "takes advantages"),
