@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from diffusion_rl.sde import flow_to_vp, shifted_sigmas
-from mmrl.config import ConfigError
+from mmrl.config import ConfigError, describe_saved_model, read_json_object
 
 PIPELINE_FILE = "mmrl_pipeline.json"
 # What a flow model outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
@@ -55,17 +55,6 @@ REMAKE = (
     "give a directory written by FlowPipeline.save_pretrained (e.g. `mmrl pretrain diffusion`) or a "
     "diffusers pipeline directory"
 )
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, or a ConfigError naming the file (a model directory's own files)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{str(path)!r} is not valid JSON ({err}): {REMAKE}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{str(path)!r} holds a {type(data).__name__}, not a JSON object: {REMAKE}")
-    return data
 
 
 SUPPORTED_PIPELINES = (
@@ -296,9 +285,8 @@ class FlowPipeline:
         if (directory / "model_index.json").is_file():
             return cls.from_diffusers(directory)
         if (directory / "config.json").is_file():
-            found = read_json_object(directory / "config.json")
-            kind = found.get("model_type") or found.get("_class_name")
-            what = f"a {kind!r} model" if kind else "a config.json with no model_type or _class_name"
+            found = read_json_object(directory / "config.json", REMAKE)
+            what = describe_saved_model(found)
             raise ConfigError(
                 f"{str(directory)!r} holds {what}, not a text-to-image pipeline (no {PIPELINE_FILE} or "
                 f"model_index.json): {REMAKE}"
@@ -310,7 +298,7 @@ class FlowPipeline:
     @classmethod
     def from_own_layout(cls, directory: Path) -> FlowPipeline:
         """The project's layout: one folder per component and the settings in PIPELINE_FILE."""
-        settings = read_json_object(directory / PIPELINE_FILE)
+        settings = read_json_object(directory / PIPELINE_FILE, REMAKE)
         folder = settings.get("denoiser", "transformer")
         if folder not in DENOISERS:
             raise ConfigError(
@@ -324,7 +312,7 @@ class FlowPipeline:
                 f"{str(directory)!r} has {PIPELINE_FILE} but no {', '.join(missing)} folder: {REMAKE}"
             )
         denoiser_class = DENOISERS[folder]
-        found = read_json_object(directory / folder / "config.json").get("_class_name")
+        found = read_json_object(directory / folder / "config.json", REMAKE).get("_class_name")
         if found != denoiser_class.__name__:
             # checked before loading: diffusers would build a default-sized model from another config
             raise ConfigError(
@@ -369,7 +357,7 @@ class FlowPipeline:
         import diffusers
         from diffusers import DiffusionPipeline
 
-        index = read_json_object(Path(directory) / "model_index.json")
+        index = read_json_object(Path(directory) / "model_index.json", REMAKE)
         name = index.get("_class_name")
         pipeline_class = getattr(diffusers, name, None) if isinstance(name, str) else None
         if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):

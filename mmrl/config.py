@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -388,6 +389,24 @@ def check_output_dir(path: str | Path, key: str = "output_dir") -> Path:
             "or fix its permissions"
         ) from None
     return out
+
+
+def read_json_object(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in `path` (a model directory's config.json, say), or a ConfigError naming the
+    file, what is wrong with it and `fix`."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{str(path)!r} is not valid JSON ({err}): {fix}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{str(path)!r} holds a {type(data).__name__}, not a JSON object: {fix}")
+    return data
+
+
+def describe_saved_model(saved: dict[str, Any]) -> str:
+    """What a saved config.json says its model is, for an error that names the wrong kind."""
+    kind = saved.get("model_type") or saved.get("_class_name")
+    return f"a {kind!r} model" if kind else "a config.json with no model_type or _class_name"
 
 
 def check_device(spec: str, key: str = "device") -> str:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.advantages import check_group_size
-from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.config import BaseConfig, ConfigError, describe_saved_model, option, read_json_object
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, SAMPLERS, TRAINERS
@@ -231,19 +231,14 @@ def load_saved_model(path: str) -> Qwen2ForCausalLM:
     if not (directory / "config.json").is_file():
         raise ConfigError(f"config error: model.path = {path!r} has no config.json: {fix}")
     try:
-        saved = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(
-            f"config error: model.path = {path!r}: config.json is not valid JSON ({err}): {fix}"
-        ) from None
-    saved = saved if isinstance(saved, dict) else {}
+        saved = read_json_object(directory / "config.json", fix)
+    except ConfigError as err:
+        raise ConfigError(f"config error: model.path = {path!r}: {err}") from None
     if saved.get("model_type") != "qwen2" or saved.get("vocab_size") != VOCAB:
         if saved.get("model_type") == "qwen2":
             found = f"a qwen2 model with vocab_size {saved.get('vocab_size')!r}"
-        elif saved.get("model_type") or saved.get("_class_name"):
-            found = f"a {saved.get('model_type') or saved.get('_class_name')!r} model"
         else:
-            found = "a config.json with no model_type (not a transformers model)"
+            found = describe_saved_model(saved)
         raise ConfigError(
             f"config error: model.path = {path!r} holds {found}, but tiny_grpo and tiny_sft need the "
             f"digit-reversal Qwen2ForCausalLM (model_type 'qwen2', vocab_size {VOCAB}): {fix}"

@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from mmrl.config import ConfigError
+from mmrl.config import ConfigError, describe_saved_model, read_json_object
 
 PAD, UNK = "<pad>", "<unk>"
 # The instruction templates of sim/tasks.py (one "{}" per colour); tests check that every instruction
@@ -321,19 +321,10 @@ class VLAPolicy(nn.Module):
         missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (directory / name).is_file()]
         if missing:
             raise FileNotFoundError(f"{directory} has no {' or '.join(missing)}: {remake}")
-        try:
-            saved = json.loads((directory / CONFIG_NAME).read_text())
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"{directory / CONFIG_NAME} is not valid JSON ({err}): {remake}") from None
-        if not isinstance(saved, dict):
-            raise ConfigError(
-                f"{directory / CONFIG_NAME} holds a {type(saved).__name__}, not a JSON object: {remake}"
-            )
+        saved = read_json_object(directory / CONFIG_NAME, remake)
         fields = {f.name for f in dataclasses.fields(VLAConfig)}
         if "vocabulary" not in saved or not set(saved) <= fields:
-            found = saved.get("model_type") or saved.get("_class_name")
-            what = f"a {found!r} model" if found else f"a config.json with keys {sorted(saved)[:6]}"
-            raise ConfigError(f"{directory} holds {what}, not a VLAPolicy: {remake}")
+            raise ConfigError(f"{directory} holds {describe_saved_model(saved)}, not a VLAPolicy: {remake}")
         try:
             policy = cls(VLAConfig(**saved))
             policy.load_state_dict(load_file(directory / WEIGHTS_NAME))

@@ -55,7 +55,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from mmrl.config import ConfigError
+from mmrl.config import ConfigError, describe_saved_model, read_json_object
 from mmrl.noise import NoiseKey, keyed_rand_batch
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -228,21 +228,10 @@ def check_checkpoint(directory: Path) -> str:
         )
     model_type = None
     if (directory / "config.json").is_file():
-        try:
-            config = json.loads((directory / "config.json").read_text())
-        except (OSError, ValueError) as err:
-            raise ConfigError(
-                f"{str(directory / 'config.json')!r} is not valid JSON ({err}): {REMAKE}"
-            ) from None
-        config = config if isinstance(config, dict) else {}
+        config = read_json_object(directory / "config.json", REMAKE)
         model_type = config.get("model_type")
         if not any(model_type in family.model_classes for family in FAMILIES):
-            found = model_type or config.get("_class_name")
-            what = (
-                f"a {found!r} model"
-                if found
-                else "a config.json with no model_type (not a transformers model)"
-            )
+            what = describe_saved_model(config)
             known = sorted(name for family in FAMILIES for name in family.model_classes)
             raise ConfigError(
                 f"{str(directory)!r} holds {what}, not a chat VLM of a supported model_type "
