@@ -45,14 +45,12 @@ from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, REWARDS, TRAINERS, UnknownNameError
-from mmrl.resources import check_at_most, check_memory
+from mmrl.resources import check_memory
 from mmrl.samplers import UniformSampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree, depthwise_node_advantages, width_prune
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MAX_BRANCH_FACTOR = 1024
-MAX_IMAGE_SIZE = 4096
 # latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
 FORWARD_LATENTS = 64
 TRAINING_LATENTS = 512  # the same with gradients
@@ -76,12 +74,24 @@ class ModelConfig:
 class RolloutConfig:
     prompts_per_step: int = option(4, "prompts per step on each process", min=1)
     steps: int = option(20, "denoising steps", min=1)
-    image_size: int | None = option(None, "image side in pixels (null: the model's own size)", min=1)
+    image_size: int | None = option(
+        None,
+        "image side in pixels (null: the model's own size)",
+        min=1,
+        max=4096,
+        why="models draw up to 2048 px",
+    )
     guidance_scale: float = option(3.0, "classifier-free guidance scale (1: none)", min=1.0)
     sde: Literal["flow_grpo", "dance_grpo", "ddim"] = option("flow_grpo", "SDE form of the stochastic steps")
     noise_level: float = option(0.7, "Flow-GRPO a / DanceGRPO eta / DDIM eta", min=0.0)
     split_steps: list[int] = option([0, 3, 6, 9], "steps where every node branches (flat GRPO: [0])", min=0)
-    branch_factor: int = option(2, "children per node at a split (flat GRPO: the group size)", min=2)
+    branch_factor: int = option(
+        2,
+        "children per node at a split (flat GRPO: the group size)",
+        min=2,
+        max=1024,
+        why="groups hold 4 to 256",
+    )
     split_noise_scale: float = option(1.0, "noise multiplier at split steps", min=0.0)
     shared_initial_noise: bool = option(
         True,
@@ -112,7 +122,13 @@ class ExploreConfig:
 
     enabled: bool = option(False, "explore a candidate pool in low precision first")
     precision: str = option("nvfp4-emulated", "precision of the exploration pass", registry="precision")
-    branch_factor: int = option(4, "branch factor of the exploration trees (pool = factor ** splits)", min=2)
+    branch_factor: int = option(
+        4,
+        "branch factor of the exploration trees (pool = factor ** splits)",
+        min=2,
+        max=1024,
+        why="pool size",
+    )
     steps: int | None = option(None, "denoising steps while exploring (null: rollout.steps)", min=1)
     keep: int = option(16, "leaves kept per prompt: the best keep/2 and the worst keep/2", min=2)
     quantize_activations: bool = option(False, "also fake-quantise Linear inputs (W4A4)")
@@ -203,10 +219,6 @@ class BranchGRPOConfig(BaseConfig):
             raise ConfigError(
                 f"config error: explore.keep = {self.explore.keep} must be even (best and worst halves)"
             )
-        check_at_most("rollout.branch_factor", r.branch_factor, MAX_BRANCH_FACTOR, "groups hold 4 to 256")
-        check_at_most("explore.branch_factor", self.explore.branch_factor, MAX_BRANCH_FACTOR, "pool size")
-        if r.image_size is not None:
-            check_at_most("rollout.image_size", r.image_size, MAX_IMAGE_SIZE, "models draw up to 2048 px")
         self.check_tree_keys()
 
     def check_tree_keys(self) -> None:

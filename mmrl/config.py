@@ -3,7 +3,8 @@
 A config error must stop the run before any work, in one line that names the key, the bad
 value, what is allowed and the closest valid key. Field metadata carries the allowed range:
 ``min`` / ``max`` (inclusive), ``choices``, or ``registry`` (the name of an mmrl registry whose
-entries are the allowed values) with ``inputs`` (the entries' ``inputs`` tags the trainer can feed).
+entries are the allowed values) with ``inputs`` (the entries' ``inputs`` tags the trainer can feed);
+``why`` explains a ``max`` in its error (a size far above any sensible value is an extra zero).
 """
 
 from __future__ import annotations
@@ -319,7 +320,10 @@ def _check_value(dotted: str, value: Any, meta: typing.Mapping[str, Any]) -> Any
         if "min" in meta and v < meta["min"]:
             raise ConfigError(f"config error: {dotted} = {v!r} is out of range: allowed >= {meta['min']}")
         if "max" in meta and v > meta["max"]:
-            raise ConfigError(f"config error: {dotted} = {v!r} is out of range: allowed <= {meta['max']}")
+            why = f" ({meta['why']})" if "why" in meta else ""
+            raise ConfigError(
+                f"config error: {dotted} = {v!r} is out of range: allowed <= {meta['max']}{why}"
+            )
         if "choices" in meta and v not in meta["choices"]:
             choices = [str(c) for c in meta["choices"]]
             hint = difflib.get_close_matches(str(v), choices, n=1)

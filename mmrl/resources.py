@@ -65,9 +65,3 @@ def check_memory(need: float, what: str, keys: Sequence[str], device: str | torc
 
 def _either(keys: Sequence[str]) -> str:
     return " or ".join(keys) if len(keys) < 3 else f"{', '.join(keys[:-1])} or {keys[-1]}"
-
-
-def check_at_most(key: str, value: int, limit: int, why: str) -> None:
-    """A size far above any sensible value is a mistake (an extra zero), refused before any work."""
-    if value > limit:
-        raise ConfigError(f"config error: {key} = {value} is out of range: allowed <= {limit} ({why})")

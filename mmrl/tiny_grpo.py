@@ -32,14 +32,13 @@ from mmrl.config import BaseConfig, ConfigError, describe_saved_model, option, r
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, SAMPLERS, TRAINERS
-from mmrl.resources import ACTIVATION_FLOATS, check_at_most, check_memory
+from mmrl.resources import ACTIVATION_FLOATS, check_memory
 from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree, depthwise_node_advantages
 
 DIGITS = 10
 BOS, SEP = 10, 11
 VOCAB = 12
-MAX_BRANCH_FACTOR = 1024
 MAX_PROMPT_DRAWS = 20_000_000  # random draws of the distinct-prompt loop: about two minutes
 
 
@@ -69,7 +68,13 @@ class TinyRolloutConfig:
     split_positions: list[int] = option(
         [0], "answer positions where every node branches (flat GRPO: [0])", min=0
     )
-    branch_factor: int = option(16, "children per node at each split (flat GRPO: the group size)", min=2)
+    branch_factor: int = option(
+        16,
+        "children per node at each split (flat GRPO: the group size)",
+        min=2,
+        max=1024,
+        why="groups hold 4 to 256",
+    )
     temperature: float = option(1.0, "sampling temperature", min=1e-3)
 
 
@@ -122,9 +127,6 @@ class TinyGRPOConfig(BaseConfig):
                 f"rollout.split_positions = {self.rollout.split_positions} builds trees whose shared edges "
                 "need node advantages: use train.advantage=tree_depthwise, or split_positions=[0]"
             )
-        check_at_most(
-            "rollout.branch_factor", self.rollout.branch_factor, MAX_BRANCH_FACTOR, "groups hold 4 to 256"
-        )
         check_task_size(self.task)
 
 

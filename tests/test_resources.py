@@ -15,7 +15,7 @@ from transformers import Qwen2Config
 
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, list_recipes, load_config
-from mmrl.resources import GIB, LIMIT_ENV, available_memory, check_at_most, check_memory
+from mmrl.resources import GIB, LIMIT_ENV, available_memory, check_memory
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -60,9 +60,9 @@ def test_without_psutil_the_machine_offers_its_physical_memory(monkeypatch):
 
 
 def test_a_size_far_above_any_sensible_value_is_refused():
-    check_at_most("rollout.branch_factor", 1024, 1024, "groups")
+    load_config("core/tiny_grpo", ["rollout.branch_factor=1024"])
     with pytest.raises(ConfigError, match=r"rollout.branch_factor = 1025 is out of range: allowed <= 1024"):
-        check_at_most("rollout.branch_factor", 1025, 1024, "groups")
+        load_config("core/tiny_grpo", ["rollout.branch_factor=1025"])
 
 
 # ---------------------------------------------------------------------------------------------

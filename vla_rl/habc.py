@@ -73,7 +73,7 @@ from mmrl import advantages as _advantages  # noqa: F401  (fills the ADVANTAGES 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
-from mmrl.resources import check_at_most, check_memory
+from mmrl.resources import check_memory
 from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.buffer import ReplayBuffer
 from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, open_dataset
@@ -84,7 +84,6 @@ from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy
 from vla_rl.pretrain import checked_task, frame_tensors
 
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
-MAX_ENVS = 1024
 ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
 
 
@@ -107,7 +106,13 @@ class HABCRolloutConfig:
         "env steps per iteration, at least: waves of num_envs episodes run until this many were taken",
         min=1,
     )
-    num_envs: int = option(8, "environments stepped in lockstep (one wave of episodes)", min=1)
+    num_envs: int = option(
+        8,
+        "environments stepped in lockstep (one wave of episodes)",
+        min=1,
+        max=1024,
+        why="each is a simulator with a renderer",
+    )
     group_size: int = option(1, "episodes per reset seed (grpo normalises success within such groups)", min=1)
     seed: int = option(
         100_000, "first training reset seed; every iteration uses its own block of seeds", min=0
@@ -214,7 +219,13 @@ class HABCEvalConfig:
     seed: int = option(
         1_000_000, "reset seed of the first evaluation episode (disjoint from training seeds)", min=0
     )
-    num_envs: int = option(8, "environments stepped in lockstep during evaluation", min=1)
+    num_envs: int = option(
+        8,
+        "environments stepped in lockstep during evaluation",
+        min=1,
+        max=1024,
+        why="each is a simulator with a renderer",
+    )
     videos: int = option(
         2, "GIFs of the final policy on the first held-out episodes, written to OUTPUT_DIR/videos", min=0
     )
@@ -237,8 +248,6 @@ class VLAHABCConfig(BaseConfig):
     def __post_init__(self) -> None:
         self.rollout.task = checked_task(self.rollout.task, "rollout.task")
         r = self.rollout
-        check_at_most("rollout.num_envs", r.num_envs, MAX_ENVS, "each is a simulator with a renderer")
-        check_at_most("eval.num_envs", self.eval.num_envs, MAX_ENVS, "each is a simulator with a renderer")
         if r.num_envs % r.group_size:
             raise ConfigError(
                 f"config error: rollout.group_size = {r.group_size} must divide "

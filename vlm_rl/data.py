@@ -67,7 +67,9 @@ class DataConfig:
     heldout_detail_fraction: float | None = option(
         None, "synthetic: that share among held-out questions (null: detail_fraction)", min=0.0, max=1.0
     )
-    canvas_size: int = option(448, "synthetic: image side in pixels", min=32)
+    canvas_size: int = option(
+        448, "synthetic: image side in pixels", min=32, max=4096, why="the task needs 448 px"
+    )
     max_large: int = option(
         1, "synthetic: large shapes per image, 1 to 3 (more: questions name them)", min=1, max=3
     )
