@@ -45,7 +45,7 @@ from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, REWARDS, TRAINERS, UnknownNameError
-from mmrl.resources import check_memory
+from mmrl.resources import check_enough_prompts, check_memory
 from mmrl.samplers import UniformSampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree, depthwise_node_advantages, width_prune
@@ -326,13 +326,15 @@ def check_rollout_size(
     evaluation runs on all of a step's nodes at once (twice with guidance), and each update runs
     `train.micro_batch` steps with gradients."""
     r = cfg.rollout
-    if r.prompts_per_step * processes > prompts:
-        source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
-        raise ConfigError(
-            f"config error: rollout.prompts_per_step = {r.prompts_per_step} x {processes} process(es) is "
-            f"more than the {prompts} {source}, so a step would draw prompts twice: lower "
-            "rollout.prompts_per_step or give a longer prompt_file"
-        )
+    source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
+    check_enough_prompts(
+        "rollout.prompts_per_step",
+        r.prompts_per_step,
+        processes,
+        prompts,
+        f"the {prompts} {source}",
+        "lower rollout.prompts_per_step or give a longer prompt_file",
+    )
     latent = 4 * math.prod(pipe.latent_shape())
     side = pipe.latent_shape()[-1] * pipe.vae_scale
     plans = {"rollout.branch_factor": plan_for(r)}

@@ -63,5 +63,18 @@ def check_memory(need: float, what: str, keys: Sequence[str], device: str | torc
         )
 
 
+def check_enough_prompts(
+    key: str, per_step: int, processes: int, available: int, source: str, fix: str
+) -> None:
+    """Refuse a step that would draw a prompt twice: `per_step` (config key `key`) on each of
+    `processes` processes from a set of `available` (described by `source`, e.g. "the 540 built-in
+    prompts"); `fix` says what to change."""
+    if per_step * processes > available:
+        raise ConfigError(
+            f"config error: {key} = {per_step} x {processes} process(es) is more than {source}, so a step "
+            f"would draw some twice: {fix}"
+        )
+
+
 def _either(keys: Sequence[str]) -> str:
     return " or ".join(keys) if len(keys) < 3 else f"{', '.join(keys[:-1])} or {keys[-1]}"

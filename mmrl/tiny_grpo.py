@@ -32,7 +32,7 @@ from mmrl.config import BaseConfig, ConfigError, describe_saved_model, option, r
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, SAMPLERS, TRAINERS
-from mmrl.resources import ACTIVATION_FLOATS, check_memory
+from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree, depthwise_node_advantages
 
@@ -167,12 +167,14 @@ def check_rollout_size(cfg: TinyGRPOConfig, model: Qwen2Config, processes: int, 
     """Refuse a step that would draw a prompt twice, or whose rollout trees and training forward
     cannot fit on `device`; run before the first rollout."""
     r = cfg.rollout
-    if r.prompts_per_step * processes > cfg.task.train_prompts:
-        raise ConfigError(
-            f"config error: rollout.prompts_per_step = {r.prompts_per_step} x {processes} process(es) is "
-            f"more than task.train_prompts = {cfg.task.train_prompts}, so a step would draw prompts twice: "
-            "lower rollout.prompts_per_step or raise task.train_prompts"
-        )
+    check_enough_prompts(
+        "rollout.prompts_per_step",
+        r.prompts_per_step,
+        processes,
+        cfg.task.train_prompts,
+        f"task.train_prompts = {cfg.task.train_prompts}",
+        "lower rollout.prompts_per_step or raise task.train_prompts",
+    )
     leaves = r.prompts_per_step * r.branch_factor ** len(r.split_positions)
     tokens = 2 * cfg.task.digits + 2
     check_memory(

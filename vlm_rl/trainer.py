@@ -33,7 +33,7 @@ from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey
 from mmrl.registry import ADVANTAGES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
-from mmrl.resources import ACTIVATION_FLOATS, check_memory
+from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.samplers import keep_groups
 from mmrl.trainer import Trainer
 from vlm_rl.data import DataConfig, QuestionSet
@@ -116,12 +116,14 @@ def check_rollout_size(
     full logits. `questions`: (training, held-out) set sizes. Images of a question file are not
     counted (their sizes are known only once loaded)."""
     n, g = cfg.train.questions_per_step, cfg.train.group_size
-    if n * processes > questions[0]:
-        raise ConfigError(
-            f"config error: train.questions_per_step = {n} x {processes} process(es) is more than the "
-            f"{questions[0]} training questions (data.train_size, or the rows of data.source), so a step "
-            "would draw questions twice: lower train.questions_per_step or use more questions"
-        )
+    check_enough_prompts(
+        "train.questions_per_step",
+        n,
+        processes,
+        questions[0],
+        f"the {questions[0]} training questions (data.train_size, or the rows of data.source)",
+        "lower train.questions_per_step or use more questions",
+    )
     text = model.get_text_config()
     hidden, layers, tokens = text.hidden_size, text.num_hidden_layers, cfg.rollout.max_tokens
     synthetic = cfg.data.source == "zoom_task"
