@@ -44,11 +44,12 @@ class Advantages(NamedTuple):
 
 
 def check_group_size(name: str, group_size: int, key: str) -> None:
-    """Refuse, at config time, a group size the estimator `name` cannot use (mc_grpo: G + 1 rollouts,
-    an odd number, so that the median is one of them); `key` is the config key that sets it."""
-    if name == "mc_grpo" and group_size % 2 == 0:
+    """Refuse, at config time, a group size the estimator `name` cannot use (its ``group_size`` tag:
+    mc_grpo needs G + 1 rollouts, an odd number, so that the median is one of them); `key` is the
+    config key that sets the size."""
+    if ADVANTAGES.tag(name, "group_size") == "odd" and group_size % 2 == 0:
         raise ConfigError(
-            f"config error: mc_grpo needs an odd number of rollouts per group (G + 1), but {key} = "
+            f"config error: {name} needs an odd number of rollouts per group (G + 1), but {key} = "
             f"{group_size}: use {group_size + 1} or {group_size - 1}"
         )
 
@@ -147,7 +148,7 @@ def _sortable_int64(x: Tensor) -> Tensor:
     return bits ^ ((bits >> 63) & torch.iinfo(torch.int64).max)
 
 
-@ADVANTAGES.register("mc_grpo", inputs="group rewards")
+@ADVANTAGES.register("mc_grpo", inputs="group rewards", group_size="odd")
 def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """MC-GRPO: median baseline over G+1 rollouts, A_i = (r_i - median_g) / (std_g + eps).
 
