@@ -40,7 +40,7 @@ from diffusion_rl.sde import (
 )
 from diffusion_rl.shapes import train_prompts
 from mmrl.advantages import check_group_size
-from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.config import BaseConfig, ConfigError, option, shipped_path
 from mmrl.losses import gaussian_kl_same_std, ppo_clip
 from mmrl.noise import NoiseKey, keyed_randn_batch
 from mmrl.precision import explore_precision
@@ -50,7 +50,6 @@ from mmrl.samplers import UniformSampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree, depthwise_node_advantages, width_prune
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
 FORWARD_LATENTS = 64
 TRAINING_LATENTS = 512  # the same with gradients
@@ -502,9 +501,9 @@ def load_prompts(prompt_file: str | None) -> list[str]:
 
 def resolve_model_path(path: str) -> Path:
     """A model directory as given (relative to the working directory), or relative to the repository."""
-    for candidate in (Path(path), REPO_ROOT / path):
-        if candidate.is_dir():
-            return candidate
+    found = shipped_path(path)
+    if found.is_dir():
+        return found
     raise ConfigError(
         f"config error: model.path = {path!r} is not a directory; run `mmrl pretrain diffusion` "
         "and pass model.path=runs/pretrain/diffusion/pipeline, or give a local model directory"

@@ -24,7 +24,8 @@ from mmrl.registry import ALL_REGISTRIES, TRAINERS, UnknownNameError
 
 C = TypeVar("C", bound="BaseConfig")
 
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_ROOT = REPO_ROOT / "configs"
 
 
 class ConfigError(ValueError):
@@ -87,6 +88,16 @@ def resolve_config_path(name_or_path: str) -> Path:
         f"no config file or recipe named {name_or_path!r}: give a .yaml path or one of "
         f"{', '.join(recipes)}{did_you_mean}"
     )
+
+
+def shipped_path(path: str | Path) -> Path:
+    """`path` as given when it exists (relative to the working directory), else under the repository
+    when it exists there, so that recipes name the shipped base models (``vlm_rl/assets/tiny_vlm``)
+    from any working directory; otherwise `path` unchanged, for the caller's own error."""
+    given = Path(path)
+    if given.exists() or given.is_absolute():
+        return given
+    return REPO_ROOT / given if (REPO_ROOT / given).exists() else given
 
 
 def list_recipes() -> list[str]:

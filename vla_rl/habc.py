@@ -70,7 +70,7 @@ from safetensors.numpy import load_file, save_file
 from torch import Tensor, nn
 
 from mmrl import advantages as _advantages  # noqa: F401  (fills the ADVANTAGES registry)
-from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.config import BaseConfig, ConfigError, option, shipped_path
 from mmrl.losses import aggregate_loss
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import check_memory
@@ -94,7 +94,8 @@ ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
 @dataclass
 class HABCModelConfig:
     path: str = option(
-        "runs/pretrain/vla/policy", "VLAPolicy directory to start from (`mmrl pretrain vla` writes one)"
+        "vla_rl/assets/tiny_vla",
+        "VLAPolicy directory to start from (default: the shipped base; `mmrl pretrain vla` remakes it)",
     )
 
 
@@ -480,7 +481,7 @@ class VLAHABCTrainer(Trainer):
     config: VLAHABCConfig
 
     def __init__(self, config: VLAHABCConfig, accelerator: Accelerator | None = None) -> None:
-        path = Path(config.model.path)
+        path = shipped_path(config.model.path)
         missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (path / name).is_file()]
         if missing:
             raise ConfigError(
@@ -503,7 +504,9 @@ class VLAHABCTrainer(Trainer):
                 "launch it without accelerate's multi-process options"
             )
         try:
-            self.policy = VLAPolicy.from_pretrained(cfg.model.path, device=self.accelerator.device).train()
+            self.policy = VLAPolicy.from_pretrained(
+                shipped_path(cfg.model.path), device=self.accelerator.device
+            ).train()
         except ConfigError as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         check_env_size(cfg, self.policy.config.image_size)

@@ -59,7 +59,15 @@ from typing import Any, Literal
 from PIL import Image
 from tqdm.auto import tqdm
 
-from mmrl.config import ConfigError, apply_overrides, build, check_device, check_output_dir, option
+from mmrl.config import (
+    ConfigError,
+    apply_overrides,
+    build,
+    check_device,
+    check_output_dir,
+    option,
+    shipped_path,
+)
 from mmrl.registry import EVALUATORS
 from mmrl.rewards import extract_answer
 from vlm_rl.data import Question
@@ -941,12 +949,9 @@ class VLMEvalConfig:
 
 
 def resolve_model(model: str | None) -> Path:
-    from vlm_rl.bench import SHIPPED
     from vlm_rl.trainer import DEFAULT_MODEL
 
-    if model is not None:
-        return Path(model)
-    return SHIPPED if SHIPPED.is_dir() else Path(DEFAULT_MODEL)
+    return shipped_path(model or DEFAULT_MODEL)
 
 
 def load_model(path: Path, device: str) -> VLMAdapter:

@@ -29,7 +29,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mmrl.advantages import check_group_size
-from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.config import BaseConfig, ConfigError, option, shipped_path
 from mmrl.losses import kl_to_reference, ppo_clip
 from mmrl.noise import NoiseKey
 from mmrl.registry import ADVANTAGES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
@@ -49,12 +49,12 @@ from vlm_rl.rollout import (
 )
 from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 
-DEFAULT_MODEL = "runs/pretrain/vlm/model"
+DEFAULT_MODEL = "vlm_rl/assets/tiny_vlm"  # shipped; `mmrl pretrain vlm` remakes it (runs/pretrain/vlm/model)
 
 
 @dataclass
 class PolicyConfig:
-    path: str = option(DEFAULT_MODEL, "local VLM checkpoint (`mmrl pretrain vlm` writes the tiny default)")
+    path: str = option(DEFAULT_MODEL, "local VLM checkpoint (default: the shipped tiny base)")
 
 
 @dataclass
@@ -146,7 +146,7 @@ def check_rollout_size(
 def load_policy(path: str) -> VLMAdapter:
     """A local checkpoint; a missing or unusable one is a config error naming model.path."""
     try:
-        return VLMAdapter.from_pretrained(path)
+        return VLMAdapter.from_pretrained(shipped_path(path))
     except (FileNotFoundError, ValueError) as err:
         parts = Path(path).parts  # the recipes' own outputs: runs/pretrain/NAME/model
         is_recipe_output = len(parts) == 4 and parts[:2] == ("runs", "pretrain") and parts[3] == "model"
