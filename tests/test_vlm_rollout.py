@@ -20,7 +20,7 @@ from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, promp
 from vlm_rl.sft import SFTTrainConfig, load_or_build, zoom_share
 from vlm_rl.tasks import COLOURS, SHAPES, TaskConfig, make_example
 from vlm_rl.tools import ImageStore, ToolCall, ToolStats, first_tool_call
-from vlm_rl.trainer import DEFAULT_MODEL, load_policy
+from vlm_rl.trainer import load_policy
 from vlm_rl.vision import BACKGROUND, crop_with_labels
 
 load_plugins()
@@ -427,7 +427,10 @@ def test_demonstrations_can_zoom_by_question_kind():
 
 @pytest.mark.parametrize(
     "path, command",
-    [(DEFAULT_MODEL, "mmrl pretrain vlm"), ("runs/pretrain/vlm_read/model", "mmrl pretrain vlm_read")],
+    [
+        ("runs/pretrain/vlm/model", "mmrl pretrain vlm"),
+        ("runs/pretrain/vlm_read/model", "mmrl pretrain vlm_read"),
+    ],
 )
 def test_a_missing_default_checkpoint_names_the_command_that_writes_it(tmp_path, monkeypatch, path, command):
     monkeypatch.chdir(tmp_path)
