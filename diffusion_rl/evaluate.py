@@ -7,6 +7,13 @@ go to ``OUTPUT_DIR/eval_diffusion.json`` and a labelled image grid (rows: models
 prompts) to ``OUTPUT_DIR/grid.png``.
 
     mmrl eval diffusion "models=[diffusion_rl/assets/tiny_flow,runs/diffusion/branchgrpo/final]" seeds=4
+
+A model is any directory `FlowPipeline.from_pretrained` reads: the project's layout, a diffusers
+pipeline, or a LoRA result (a run's ``final/`` trained with ``model.lora_rank > 0``), which is
+evaluated on the base model its ``mmrl_lora.json`` names (``base_resolved``, else ``base``), with the
+adapter merged in; to evaluate it on a base that has moved, write the new path as ``base`` there.
+Every entry (its kind, its configs, a LoRA result's base and weights), the prompts and the rewards
+(each tried on blank images of the prompts) are checked before any model is loaded or sampled.
 """
 
 from __future__ import annotations
@@ -19,14 +26,18 @@ from typing import Any
 
 import torch
 
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, train_prompts
-from diffusion_rl.trainer import load_prompts, resolve_model_path
-from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option
+from diffusion_rl.trainer import load_prompts
+from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS, REWARDS, UnknownNameError
 
 BETTER_BY = 0.01  # a prompt counts as better / worse when its mean reward moves by more than this
+BLANK_SIZE = 32  # side of the blank images each reward is tried on before sampling
+MODEL_KINDS = (
+    "a FlowPipeline directory (diffusion_rl/assets/tiny_flow), a diffusers pipeline or a run's final/"
+)
 
 
 @dataclass
@@ -63,28 +74,63 @@ def paired(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
     }
 
 
-def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
-    """Sample every model on the same prompts and noise; score with every reward; compare to the first."""
-    if not cfg.models:
+def check_models(models: list[str]) -> list[Path]:
+    """Every `models` entry as a model directory, checked (kind, configs, a LoRA result's base and
+    weights) before any model is loaded: a bad entry fails at once, named, not after the others ran."""
+    if not models:
         raise ConfigError(
             "config error: models is empty; pass models=[DIR,DIR,...] (the first is the reference)"
         )
-    check_output_dir(cfg.output_dir, "output_dir")
-    if len(set(cfg.models)) != len(cfg.models):
-        twice = next(m for m in cfg.models if cfg.models.count(m) > 1)
+    if len(set(models)) != len(models):
+        twice = next(m for m in models if models.count(m) > 1)
         raise ConfigError(f"config error: models lists {twice!r} twice; give each model once")
-    prompts = prompt_set(cfg.prompts)[: cfg.num_prompts]
+    paths = []
+    for i, model in enumerate(models):
+        path = shipped_path(model)
+        if not path.is_dir():
+            raise ConfigError(f"config error: models[{i}] = {model!r} is not a directory: give {MODEL_KINDS}")
+        try:
+            check_model_directory(path)
+        except (ConfigError, FileNotFoundError) as err:
+            raise ConfigError(f"config error: models[{i}] = {model!r}: {err}") from None
+        paths.append(path)
+    return paths
+
+
+def build_rewards(names: list[str], prompts: list[str]) -> dict[str, Any]:
+    """Each reward by name, tried on blank images of `prompts`: an unknown name or a prompt a reward
+    cannot score (outside geneval_mini's grammar, say) fails before any model is sampled."""
+    blank = torch.full((len(prompts), 3, BLANK_SIZE, BLANK_SIZE), 0.5)
     reward_fns = {}
-    for name in cfg.rewards:
+    for name in names:
         try:
             reward_fns[name] = REWARDS.get(name)()
         except UnknownNameError as err:
             raise ConfigError(f"config error: rewards: {err}") from None
+        try:
+            reward_fns[name](blank, prompts=prompts)
+        except ValueError as err:
+            raise ConfigError(
+                f"config error: reward {name!r} cannot score these prompts: {err}; choose prompts it "
+                "understands or another reward"
+            ) from None
+    return reward_fns
+
+
+def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
+    """Sample every model on the same prompts and noise; score with every reward; compare to the first."""
+    paths = check_models(cfg.models)
+    check_output_dir(cfg.output_dir, "output_dir")
+    prompts = prompt_set(cfg.prompts)[: cfg.num_prompts]
+    reward_fns = build_rewards(cfg.rewards, prompts)
     repeated = [p for p in prompts for _ in range(cfg.seeds)]
     per_model: dict[str, dict[str, torch.Tensor]] = {}
     grids = []
-    for model in cfg.models:
-        pipe = FlowPipeline.from_pretrained(resolve_model_path(model))
+    for i, (model, path) in enumerate(zip(cfg.models, paths, strict=True)):
+        try:
+            pipe = FlowPipeline.from_pretrained(path)
+        except (ConfigError, FileNotFoundError) as err:  # weights that the checks cannot see without loading
+            raise ConfigError(f"config error: models[{i}] = {model!r}: {err}") from None
         # image s of every prompt shares noise seed `seed + s` across models: the comparison is paired
         images = torch.stack(
             [
@@ -101,7 +147,7 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
                 values = fn(flat, prompts=repeated).float()
             except ValueError as err:
                 raise ConfigError(
-                    f"config error: reward {name!r} cannot score these prompts: {err}"
+                    f"config error: reward {name!r} cannot score {model!r}'s images: {err}"
                 ) from None
             scores[name] = values.view(len(prompts), cfg.seeds).mean(dim=1)
         per_model[model] = scores

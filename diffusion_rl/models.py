@@ -18,6 +18,14 @@ and the trainable `denoiser`. Two storage layouts are read by `from_pretrained`:
 ``vae/``, and ``mmrl_pipeline.json``) and any local diffusers pipeline directory
 (``model_index.json``: StableDiffusion3Pipeline or StableDiffusionPipeline), whose own
 ``encode_prompt`` builds the conditioning. Everything is stored as safetensors.
+
+A LoRA result (``save_lora_weights``; a run's ``final/`` with ``model.lora_rank > 0``) is a third
+kind of directory: ``pytorch_lora_weights.safetensors`` in diffusers' format, with the adapter's
+config (rank, alpha, targets) in the file's ``lora_adapter_metadata`` so that plain diffusers'
+``load_lora_weights`` applies it at the trained strength, and ``mmrl_lora.json`` naming the base
+model (``base`` as given, ``base_resolved`` as an absolute path). `from_pretrained` loads the base
+and merges the adapter into it. `check_model_directory` checks any of the three kinds, a LoRA
+result's base included, without loading weights.
 """
 
 from __future__ import annotations
@@ -32,13 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import SD3Transformer2DModel, UNet2DConditionModel
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from diffusion_rl.sde import flow_to_vp, shifted_sigmas
-from mmrl.config import ConfigError, describe_saved_model, read_json_object
+from mmrl.config import ConfigError, describe_saved_model, read_json_object, shipped_path
 
 PIPELINE_FILE = "mmrl_pipeline.json"
+LORA_FILE = "mmrl_lora.json"  # a LoRA result's record of its base model
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name, which load_lora_weights looks for
 # What a flow model outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
 # velocity v = (x - x0) / sigma (for pixel-space transformers with large patches, where a velocity
 # carries the input noise that a narrow token must copy through every layer).
@@ -52,8 +62,8 @@ DENOISERS = {"transformer": SD3Transformer2DModel, "unet": UNet2DConditionModel}
 # what transformers, diffusers and safetensors raise for a file that is missing, malformed or of another model
 LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
 REMAKE = (
-    "give a directory written by FlowPipeline.save_pretrained (e.g. `mmrl pretrain diffusion`) or a "
-    "diffusers pipeline directory"
+    "give a directory written by FlowPipeline.save_pretrained (e.g. `mmrl pretrain diffusion`), a "
+    "diffusers pipeline directory or a LoRA result (a run's final/)"
 )
 
 
@@ -163,6 +173,7 @@ class FlowPipeline:
         self.prediction = prediction
         self.scheduler = scheduler
         self.diffusers_pipeline = diffusers_pipeline
+        self.source: Path | None = None  # the directory `from_pretrained` read, which a LoRA result names
         for frozen in (text_encoder, vae):
             if frozen is not None:
                 frozen.requires_grad_(False)
@@ -258,67 +269,82 @@ class FlowPipeline:
         }
         (directory / PIPELINE_FILE).write_text(json.dumps(settings, indent=1))
 
-    def save_lora_weights(self, directory: str | Path, lora_layers: dict[str, torch.Tensor]) -> None:
-        """LoRA weights that plain diffusers loads with `pipe.load_lora_weights(directory)`."""
+    def save_lora_weights(self, directory: str | Path, denoiser: torch.nn.Module, base: str) -> None:
+        """The adapter of `denoiser` (this pipeline's denoiser with the peft adapter "default"), written so
+        that plain diffusers' `pipe.load_lora_weights(directory)` rebuilds the trained denoiser: the
+        adapter config goes into the safetensors metadata (without it diffusers assumes alpha = rank),
+        and LORA_FILE names the base, `base` as given and the directory this pipeline was read from."""
+        from peft.utils import get_peft_model_state_dict
+
+        if self.source is None:
+            raise ValueError("save_lora_weights needs a pipeline read by from_pretrained: its base directory")
+        config = denoiser.peft_config["default"].to_dict()
+        layers = get_peft_model_state_dict(denoiser)
         if self.is_unet:
             from diffusers import StableDiffusionPipeline
 
             StableDiffusionPipeline.save_lora_weights(
-                directory, unet_lora_layers=lora_layers, safe_serialization=True
+                directory, unet_lora_layers=layers, unet_lora_adapter_metadata=config, safe_serialization=True
             )
         else:
             from diffusers import StableDiffusion3Pipeline
 
             StableDiffusion3Pipeline.save_lora_weights(
-                directory, transformer_lora_layers=lora_layers, safe_serialization=True
+                directory,
+                transformer_lora_layers=layers,
+                transformer_lora_adapter_metadata=config,
+                safe_serialization=True,
             )
+        record = {
+            "base": str(base),
+            "base_resolved": str(self.source.resolve()),
+            "denoiser": self.denoiser_folder,
+            "lora_rank": config["r"],
+            "lora_alpha": config["lora_alpha"],
+        }
+        (Path(directory) / LORA_FILE).write_text(json.dumps(record, indent=1))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> FlowPipeline:
-        """Load a directory written by `save_pretrained`, or a local diffusers pipeline directory.
+        """Load a directory written by `save_pretrained`, a local diffusers pipeline directory or a LoRA
+        result (its base with the adapter merged in).
 
         A directory of another kind, or one whose files are missing, malformed or of another model,
         is a ConfigError (or FileNotFoundError) that says what was found and what is expected."""
         directory = Path(directory)
-        if (directory / PIPELINE_FILE).is_file():
-            return cls.from_own_layout(directory)
-        if (directory / "model_index.json").is_file():
-            return cls.from_diffusers(directory)
-        if (directory / "config.json").is_file():
-            found = read_json_object(directory / "config.json", REMAKE)
-            what = describe_saved_model(found)
-            raise ConfigError(
-                f"{str(directory)!r} holds {what}, not a text-to-image pipeline (no {PIPELINE_FILE} or "
-                f"model_index.json): {REMAKE}"
+        loaders = {"own": cls.from_own_layout, "diffusers": cls.from_diffusers, "lora": cls.from_lora_result}
+        pipe = loaders[directory_kind(directory)](directory)
+        pipe.source = directory
+        return pipe
+
+    @classmethod
+    def from_lora_result(cls, directory: Path) -> FlowPipeline:
+        """A LoRA result's base with the adapter merged into the denoiser's weights. The adapter is read
+        as plain diffusers reads it (`load_lora_adapter`: rank and alpha from the safetensors metadata)."""
+        base, folder = check_lora_result(directory)
+        pipe = cls.from_pretrained(base)
+        try:
+            pipe.denoiser.load_lora_adapter(
+                directory,
+                prefix=folder,
+                weight_name=LORA_WEIGHTS,
+                adapter_name="result",
+                local_files_only=True,
             )
-        raise FileNotFoundError(
-            f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE} or model_index.json): {REMAKE}"
-        )
+        except LOAD_ERRORS as err:
+            raise ConfigError(
+                f"{str(directory)!r}: the LoRA weights do not fit the base model {str(base)!r} "
+                f'({one_line(err)}): write the model they were trained on as "base" in {LORA_FILE}'
+            ) from None
+        pipe.denoiser.fuse_lora()
+        pipe.denoiser.unload_lora()
+        return pipe
 
     @classmethod
     def from_own_layout(cls, directory: Path) -> FlowPipeline:
         """The project's layout: one folder per component and the settings in PIPELINE_FILE."""
-        settings = read_json_object(directory / PIPELINE_FILE, REMAKE)
-        folder = settings.get("denoiser", "transformer")
-        if folder not in DENOISERS:
-            raise ConfigError(
-                f"{str(directory / PIPELINE_FILE)!r} names denoiser {folder!r}; expected one of "
-                f"{', '.join(DENOISERS)}: {REMAKE}"
-            )
-        parts = [folder, "text_encoder", "tokenizer", *(["vae"] if settings.get("vae") else [])]
-        missing = [part for part in parts if not (directory / part).is_dir()]
-        if missing:
-            raise FileNotFoundError(
-                f"{str(directory)!r} has {PIPELINE_FILE} but no {', '.join(missing)} folder: {REMAKE}"
-            )
+        settings, folder = check_own_layout(directory)
         denoiser_class = DENOISERS[folder]
-        found = read_json_object(directory / folder / "config.json", REMAKE).get("_class_name")
-        if found != denoiser_class.__name__:
-            # checked before loading: diffusers would build a default-sized model from another config
-            raise ConfigError(
-                f"{str(directory / folder)!r} holds a {found!r}, but {PIPELINE_FILE} names a "
-                f"{denoiser_class.__name__} there: {REMAKE}"
-            )
         try:
             vae = None
             if settings.get("vae"):
@@ -354,17 +380,10 @@ class FlowPipeline:
     @classmethod
     def from_diffusers(cls, directory: str | Path) -> FlowPipeline:
         """A local diffusers pipeline with a flow transformer (SD3 style) or a DDPM/DDIM UNet (SD1.x)."""
-        import diffusers
         from diffusers import DiffusionPipeline
 
-        index = read_json_object(Path(directory) / "model_index.json", REMAKE)
-        name = index.get("_class_name")
-        pipeline_class = getattr(diffusers, name, None) if isinstance(name, str) else None
-        if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):
-            raise ConfigError(
-                f"{directory}: model_index.json names pipeline {name!r}, which diffusers does not have; "
-                f"{SUPPORTED_PIPELINES}"
-            )
+        index, _ = check_diffusers_layout(Path(directory))
+        name = index["_class_name"]
         # components saved as [null, null] (e.g. SD3 without its T5 encoder) are passed as None
         absent = {part: None for part, entry in index.items() if entry == [None, None]}
         try:
@@ -571,3 +590,167 @@ class FlowPipeline:
             latents = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample()
             x = (latents - (self.vae.config.shift_factor or 0.0)) * self.vae.config.scaling_factor
         return x
+
+
+# -- what a model directory holds, checked without loading weights ---------------------------------
+
+
+def directory_kind(directory: Path) -> str:
+    """'own' (PIPELINE_FILE), 'diffusers' (model_index.json) or 'lora' (a LoRA result); anything else
+    is a ConfigError or FileNotFoundError naming what was found."""
+    if (directory / PIPELINE_FILE).is_file():
+        return "own"
+    if (directory / "model_index.json").is_file():
+        return "diffusers"
+    if (directory / LORA_FILE).is_file() or (directory / LORA_WEIGHTS).is_file():
+        return "lora"
+    if (directory / "config.json").is_file():
+        found = read_json_object(directory / "config.json", REMAKE)
+        raise ConfigError(
+            f"{str(directory)!r} holds {describe_saved_model(found)}, not a text-to-image pipeline (no "
+            f"{PIPELINE_FILE}, model_index.json or {LORA_FILE}): {REMAKE}"
+        )
+    raise FileNotFoundError(
+        f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE}, model_index.json or {LORA_FILE}): "
+        f"{REMAKE}"
+    )
+
+
+def check_model_directory(directory: str | Path, _seen: frozenset[Path] = frozenset()) -> str:
+    """Check that `FlowPipeline.from_pretrained` can read `directory`, without loading any weights: its
+    kind, its configs and, for a LoRA result, its base (checked the same way), so that a list of models
+    fails on a bad entry before any work. Returns the denoiser folder, "unet" or "transformer"."""
+    directory = Path(directory)
+    kind = directory_kind(directory)
+    if kind == "own":
+        return check_own_layout(directory)[1]
+    if kind == "diffusers":
+        return check_diffusers_layout(directory)[1]
+    return check_lora_result(directory, _seen)[1]
+
+
+def check_own_layout(directory: Path) -> tuple[dict[str, Any], str]:
+    """PIPELINE_FILE's settings and the denoiser folder, once every folder they name is there and the
+    denoiser's config names the class PIPELINE_FILE expects."""
+    settings = read_json_object(directory / PIPELINE_FILE, REMAKE)
+    folder = settings.get("denoiser", "transformer")
+    if folder not in DENOISERS:
+        raise ConfigError(
+            f"{str(directory / PIPELINE_FILE)!r} names denoiser {folder!r}; expected one of "
+            f"{', '.join(DENOISERS)}: {REMAKE}"
+        )
+    parts = [folder, "text_encoder", "tokenizer", *(["vae"] if settings.get("vae") else [])]
+    missing = [part for part in parts if not (directory / part).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"{str(directory)!r} has {PIPELINE_FILE} but no {', '.join(missing)} folder: {REMAKE}"
+        )
+    expected = DENOISERS[folder].__name__
+    found = read_json_object(directory / folder / "config.json", REMAKE).get("_class_name")
+    if found != expected:
+        # checked before loading: diffusers would build a default-sized model from another config
+        raise ConfigError(
+            f"{str(directory / folder)!r} holds a {found!r}, but {PIPELINE_FILE} names a {expected} there: "
+            f"{REMAKE}"
+        )
+    return settings, folder
+
+
+def check_diffusers_layout(directory: Path) -> tuple[dict[str, Any], str]:
+    """A diffusers pipeline directory's model_index.json and denoiser folder, once the index names a
+    pipeline diffusers has, with the components FlowPipeline drives, and every folder it lists is there."""
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    index = read_json_object(directory / "model_index.json", REMAKE)
+    name = index.get("_class_name")
+    pipeline_class = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):
+        raise ConfigError(
+            f"{directory}: model_index.json names pipeline {name!r}, which diffusers does not have; "
+            f"{SUPPORTED_PIPELINES}"
+        )
+    # saved components are [library, class]; absent ones (SD3 without its T5 encoder) are [null, null]
+    classes = {
+        part: entry[1]
+        for part, entry in index.items()
+        if not part.startswith("_") and isinstance(entry, list) and len(entry) == 2 and None not in entry
+    }
+    missing = [part for part in classes if not (directory / part).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"{str(directory)!r}: model_index.json lists {', '.join(missing)}, but there is no such folder: "
+            "copy the whole pipeline directory"
+        )
+    if classes.get("transformer") == SD3Transformer2DModel.__name__ and "text_encoder_2" in index:
+        folder = "transformer"
+    elif classes.get("unet") == UNet2DConditionModel.__name__ and "text_encoder" in index:
+        folder = "unet"
+    else:
+        raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
+    read_json_object(directory / folder / "config.json", REMAKE)
+    return index, folder
+
+
+def lora_base(directory: Path, record: dict[str, Any]) -> Path:
+    """The base model directory a LoRA result's record names: "base_resolved" (absolute) when it is
+    there, else "base" (relative to the working directory or the repository)."""
+    given = record.get("base")
+    if not isinstance(given, str) or not given:
+        raise ConfigError(
+            f'{str(directory / LORA_FILE)!r} has no "base" naming the model the adapter was trained on: '
+            'add it, e.g. {"base": "diffusion_rl/assets/tiny_flow"}'
+        )
+    resolved = record.get("base_resolved")
+    for candidate in [*([Path(resolved)] if isinstance(resolved, str) else []), shipped_path(given)]:
+        if candidate.is_dir():
+            return candidate
+    also = f" (nor {resolved!r})" if isinstance(resolved, str) else ""
+    raise ConfigError(
+        f"{str(directory)!r} is a LoRA result whose base model {given!r}{also} is not a directory: put the "
+        f'base model back there, or write where it is now as "base" in {LORA_FILE}'
+    )
+
+
+def check_lora_result(directory: Path, seen: frozenset[Path] = frozenset()) -> tuple[Path, str]:
+    """A LoRA result's base directory and denoiser folder, once its record, the header of its weights
+    and its base (checked like any model directory; `seen`: the LoRA results that led here) are in order."""
+    if not (directory / LORA_FILE).is_file():
+        raise ConfigError(
+            f"{str(directory)!r} holds LoRA weights ({LORA_WEIGHTS}) but no {LORA_FILE} naming their base "
+            'model: write one, e.g. {"base": "diffusion_rl/assets/tiny_flow"}'
+        )
+    record = read_json_object(
+        directory / LORA_FILE, 'it names the adapter\'s base model, e.g. {"base": "DIR"}'
+    )
+    base = lora_base(directory, record)
+    weights = directory / LORA_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{str(directory)!r} has {LORA_FILE} but no {LORA_WEIGHTS}: the LoRA result is incomplete; "
+            "copy it whole or train again"
+        )
+    seen = seen | {directory.resolve()}
+    if base.resolve() in seen:
+        raise ConfigError(
+            f"{str(directory / LORA_FILE)!r} names base {str(base)!r}, which leads back to this LoRA result: "
+            "name the model the adapter was trained on"
+        )
+    try:
+        folder = check_model_directory(base, seen)
+    except (ConfigError, FileNotFoundError) as err:
+        raise ConfigError(f"{str(directory)!r} is a LoRA result whose base does not load: {err}") from None
+    try:
+        with safe_open(weights, "pt") as file:
+            keys = list(file.keys())
+    except (OSError, SafetensorError) as err:
+        raise ConfigError(
+            f"{str(weights)!r} is not a readable safetensors file ({one_line(err)}): copy the LoRA result "
+            "again or train again"
+        ) from None
+    if not any(key.startswith(f"{folder}.") for key in keys):
+        raise ConfigError(
+            f"{str(weights)!r} holds no LoRA weights for a {folder}, the denoiser of its base {str(base)!r}: "
+            f'write the model the adapter was trained on as "base" in {LORA_FILE}'
+        )
+    return base, folder

@@ -892,13 +892,12 @@ class BranchGRPOTrainer(Trainer):
 
     def save_result(self) -> None:
         """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or
-        LoRA weights that diffusers loads with `pipe.load_lora_weights`."""
+        a LoRA result that plain diffusers loads at the trained strength with `pipe.load_lora_weights`
+        and that names its base model (model.path) for `FlowPipeline.from_pretrained`."""
         out = self.run_dir / "final"
         denoiser = self.accelerator.unwrap_model(self.model)
         with self.ema_weights():
             if self.config.model.lora_rank > 0:
-                from peft.utils import get_peft_model_state_dict
-
-                self.pipe.save_lora_weights(out, get_peft_model_state_dict(denoiser))
+                self.pipe.save_lora_weights(out, denoiser, self.config.model.path)
             else:
                 self.pipe.with_denoiser(denoiser).save_pretrained(out)

@@ -216,6 +216,7 @@ def lora_run(tmp_path: Path, model_dir: Path, *extra: str) -> BranchGRPOTrainer:
             f"output_dir={tmp_path / 'run'}",
             f"model.path={model_dir}",
             "model.lora_rank=4",
+            "model.lora_alpha=8",  # diffusers reads alpha from the file's metadata, else takes alpha = rank
             "steps=2",
             "checkpoint_every=2",
             "progress=false",
