@@ -3,7 +3,9 @@
 `import sim` registers `mmrl/Reach-v0`, `mmrl/Push-v0` and `mmrl/PickPlace-v0`; create them with
 `gymnasium.make(...)`, `gymnasium.make_vec(...)` or `sim.make(name)` (which also takes "Reach" etc.).
 `sim.make` also builds the external tasks of `EXTERNAL_TASKS` by their gymnasium id (e.g.
-"FetchReach-v4" from gymnasium-robotics) with the same observations, info and options.
+"FetchReach-v4" from gymnasium-robotics) with the same observations, info and options; code outside
+mmrl adds its own with `register_task(ExternalTask(...), expert=...)` (`mmrl --plugin MODULE` imports
+such a module before the config names the task).
 Headless rendering defaults to EGL where libEGL is installed: set MUJOCO_GL before importing sim (or
 mujoco) to choose another.
 """
@@ -21,7 +23,7 @@ if ctypes.util.find_library("EGL"):
 
 import gymnasium as gym  # noqa: E402
 
-from sim.adapters import EXTERNAL_TASKS, ExternalTask  # noqa: E402
+from sim.adapters import EXTERNAL_EXPERTS, EXTERNAL_TASKS, FETCH_REACH, ExternalTask, StatePart  # noqa: E402
 from sim.env import ArmEnv  # noqa: E402
 from sim.randomization import DomainRandomization  # noqa: E402
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv  # noqa: E402
@@ -57,12 +59,30 @@ def task_id(name: str) -> str:
     if name in gym.registry:
         raise ValueError(
             f"{name!r} is a gymnasium env, but mmrl has no adapter for it; {available} To add it, "
-            "describe it in sim.adapters.EXTERNAL_TASKS (instruction, which observations the policy "
-            "sees) and give it a scripted expert in sim.experts.EXTERNAL_EXPERTS."
+            "call sim.register_task(sim.ExternalTask(...), expert=...) (instruction, which observations "
+            "the policy sees, a scripted expert) in a module that mmrl loads with --plugin MODULE."
         )
     hint = difflib.get_close_matches(name, [*TASKS, *EXTERNAL_TASKS], n=1, cutoff=0.4)
     extra = f" Did you mean {hint[0]!r}?" if hint else ""
     raise ValueError(f"unknown sim task {name!r}; {available}{extra}")
+
+
+def register_task(task: ExternalTask, expert: type | None = None) -> ExternalTask:
+    """Make an external gymnasium task usable by its id everywhere mmrl takes a sim task (configs,
+    `sim.make`, `expert_for`), with its scripted expert: a subclass of `sim.experts.Expert`, built
+    from the task's `layout()`, that recording demonstrations and expert take-overs need."""
+    from sim.experts import Expert
+
+    if not isinstance(task, ExternalTask):
+        raise TypeError(f"register_task takes a sim.ExternalTask, not {type(task).__name__}")
+    if task.env_id in EXTERNAL_TASKS or task.env_id in TASKS:
+        raise ValueError(f"sim task {task.env_id!r} is already registered; give yours another env_id")
+    if expert is not None and not (isinstance(expert, type) and issubclass(expert, Expert)):
+        raise TypeError(f"expert for {task.env_id} must be a subclass of sim.experts.Expert, not {expert!r}")
+    EXTERNAL_TASKS[task.env_id] = task
+    if expert is not None:
+        EXTERNAL_EXPERTS[task.env_id] = expert
+    return task
 
 
 def make(name: str, **kwargs) -> gym.Env:
@@ -74,7 +94,12 @@ def make(name: str, **kwargs) -> gym.Env:
     return gym.make(full, **kwargs)
 
 
+from sim.experts import FetchReachExpert  # noqa: E402  (sim.experts reads the names above)
+
+register_task(FETCH_REACH, expert=FetchReachExpert)
+
 __all__ = [
+    "EXTERNAL_EXPERTS",
     "EXTERNAL_TASKS",
     "TASKS",
     "ArmEnv",
@@ -83,6 +108,8 @@ __all__ = [
     "PickPlaceEnv",
     "PushEnv",
     "ReachEnv",
+    "StatePart",
     "make",
+    "register_task",
     "task_id",
 ]

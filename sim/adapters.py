@@ -6,8 +6,14 @@ Our interface: dict observations with "state" (a flat float32 vector) and option
 `instruction`, `proprio_dim` (the leading entries of "state" a policy may see), `state_layout` and
 `get_state()`.
 
-`EXTERNAL_TASKS` lists the external tasks the trainers accept by their gymnasium id (their scripted
-experts are in `sim.experts`); `sim.make` builds them through `make_external`.
+"state" is built from `StatePart`s: named pieces of observation keys (a whole key, or a slice of one,
+so that one observation vector holding both the robot's and an object's poses can be split into the
+proprioception a policy sees and the privileged rest).
+
+`EXTERNAL_TASKS` lists the external tasks the trainers accept by their gymnasium id and
+`EXTERNAL_EXPERTS` their scripted experts; both are filled by `sim.register_task` (FetchReach by
+`import sim`, a user's task by their module, e.g. loaded with `mmrl --plugin`). `sim.make` builds them
+through `make_external`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import gymnasium as gym
 import numpy as np
@@ -24,6 +30,116 @@ import numpy as np
 from sim.env import OBS_MODES
 
 SuccessFn = Callable[[Any, dict[str, Any]], bool]
+PartSpec = Union["StatePart", tuple[Any, ...]]  # see StatePart.of
+WHOLE_OBSERVATION = "observation"  # the key that names a non-Dict observation in a StatePart
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """Entries `start:stop` of observation `key` (flattened), called `name` in the state layout.
+
+    `whole`: the part is all of `key`, which must then have exactly `stop` entries (checked when the
+    env is made). A non-Dict observation is addressed as the key "observation"."""
+
+    name: str
+    key: str
+    start: int
+    stop: int
+    whole: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.key:
+            raise ValueError(f"state part {self}: give a name and an observation key")
+        if not 0 <= self.start < self.stop:
+            raise ValueError(
+                f"state part {self.name!r} = {self.key}[{self.start}:{self.stop}] is empty: "
+                "need 0 <= start < stop"
+            )
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def describe(self) -> str:
+        return (
+            f"{self.name!r} (all of {self.key!r})"
+            if self.whole
+            else f"{self.name!r} ({self.key}[{self.start}:{self.stop}])"
+        )
+
+    @classmethod
+    def of(cls, spec: PartSpec) -> StatePart:
+        """A part from a StatePart, a whole key `(key, size)` or a named slice `(name, key, start, stop)`."""
+        if isinstance(spec, StatePart):
+            return spec
+        if isinstance(spec, Sequence) and not isinstance(spec, str):
+            if len(spec) == 2:
+                return cls(str(spec[0]), str(spec[0]), 0, int(spec[1]), whole=True)
+            if len(spec) == 4:
+                return cls(str(spec[0]), str(spec[1]), int(spec[2]), int(spec[3]))
+        raise ValueError(
+            f"state part {spec!r}: give (key, size) for a whole observation key, (name, key, start, stop) "
+            "for a slice of one, or a sim.adapters.StatePart"
+        )
+
+
+def parts_layout(parts: Sequence[StatePart]) -> dict[str, slice]:
+    """Where each part lies in "state", the parts concatenated in order."""
+    ends = np.cumsum([p.size for p in parts]).tolist()
+    return {p.name: slice(end - p.size, end) for p, end in zip(parts, ends, strict=True)}
+
+
+def whole_keys(space: gym.Space, keys: Sequence[str] | None) -> list[StatePart] | None:
+    """Parts that are whole observation keys, in `keys` order (each key once; by default gymnasium's
+    own order); None for a space that is not a Dict (then flattened whole)."""
+    if not isinstance(space, gym.spaces.Dict):
+        if keys is not None:
+            raise ValueError(f"state_keys needs Dict observations, not {type(space).__name__}")
+        return None
+    if keys is None:
+        keys = list(space.spaces)
+    if sorted(keys) != sorted(space.spaces):
+        raise ValueError(
+            f"state_keys = {list(keys)} must name every observation key once: {list(space.spaces)}"
+        )
+    return [StatePart(k, k, 0, gym.spaces.flatdim(space[k]), whole=True) for k in keys]
+
+
+def key_space(space: gym.Space, part: StatePart) -> gym.Space:
+    """The observation space of the part's key, or a ValueError naming the keys there are."""
+    if isinstance(space, gym.spaces.Dict):
+        if part.key not in space.spaces:
+            raise ValueError(
+                f"state part {part.describe()}: the observations have no key {part.key!r}; "
+                f"their keys: {', '.join(space.spaces)}"
+            )
+        return space[part.key]
+    if part.key != WHOLE_OBSERVATION:
+        raise ValueError(
+            f"state part {part.describe()}: the observations are one {type(space).__name__}, not a Dict; "
+            f"call it {WHOLE_OBSERVATION!r}"
+        )
+    return space
+
+
+def check_parts(space: gym.Space, parts: Sequence[StatePart]) -> list[StatePart]:
+    """`parts` checked against the env's observation space: names used once, keys that exist, slices
+    inside their key, whole keys of their stated size."""
+    if not parts:
+        raise ValueError("state_parts is empty: name at least one part of the observations")
+    seen: set[str] = set()
+    for part in parts:
+        if part.name in seen:
+            raise ValueError(f"state part name {part.name!r} is used twice; give each part its own name")
+        seen.add(part.name)
+        size = gym.spaces.flatdim(key_space(space, part))
+        if part.whole and part.stop != size:
+            raise ValueError(
+                f"state part {part.describe()} is given {part.stop} entries, but {part.key!r} has {size}"
+            )
+        if part.stop > size:
+            raise ValueError(f"state part {part.describe()} is out of range: {part.key!r} has {size} entries")
+    return list(parts)
 
 
 class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
@@ -34,9 +150,10 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
     kept in `info["env_reward"]` and the returned reward is 1.0 on success, else 0.0. The image space's
     shape is `image_shape`, or that of a probe render of the unwrapped env (MuJoCo envs render before reset).
 
-    For Dict observations, "state" concatenates the keys in `state_keys` order (each key once; by default
-    gymnasium's own order), so that what a policy may see can come first: its first `proprio_dim`
-    entries (default: all of them). The rest is privileged state for experts, supervisors and critics.
+    "state" concatenates `state_parts` (named pieces of observation keys), or for Dict observations
+    the whole keys in `state_keys` order (each key once; by default gymnasium's own order), so that
+    what a policy may see can come first: its first `proprio_dim` entries (default: all of them). The
+    rest is privileged state for experts, supervisors and critics. `state_layout` names the parts.
     """
 
     def __init__(
@@ -52,6 +169,7 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
         state_keys: Sequence[str] | None = None,
         proprio_dim: int | None = None,
         robot_type: str | None = None,
+        state_parts: Sequence[PartSpec] | None = None,
     ) -> None:
         gym.utils.RecordConstructorArgs.__init__(
             self,
@@ -65,26 +183,33 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             state_keys=state_keys,
             proprio_dim=proprio_dim,
             robot_type=robot_type,
+            state_parts=state_parts,
         )
         gym.Wrapper.__init__(self, env)
         self.instruction, self.robot_type = instruction, robot_type
         self.success_fn, self.success_key = success_fn, success_key
         self.image, self.sparse_reward, self.terminate_on_success = image, sparse_reward, terminate_on_success
         space = env.observation_space
-        self._keys = _state_keys(space, state_keys)
-        parts = [space] if self._keys is None else [space[k] for k in self._keys]
-        sizes = [gym.spaces.flatdim(part) for part in parts]
-        ends = np.cumsum(sizes).tolist()
-        self.state_layout = {
-            name: slice(end - size, end)
-            for name, size, end in zip(self._keys or ["state"], sizes, ends, strict=True)
-        }
-        self.proprio_dim = ends[-1] if proprio_dim is None else proprio_dim
-        if not 1 <= self.proprio_dim <= ends[-1]:
-            raise ValueError(f"proprio_dim = {proprio_dim}; between 1 and the state size {ends[-1]}")
-        flat = [gym.spaces.flatten_space(part) for part in parts]
-        low = np.concatenate([f.low for f in flat]).astype(np.float32)
-        high = np.concatenate([f.high for f in flat]).astype(np.float32)
+        if state_parts is not None and state_keys is not None:
+            raise ValueError("give state_keys (whole keys) or state_parts, not both")
+        if state_parts is not None:
+            self._parts = check_parts(space, [StatePart.of(p) for p in state_parts])
+        else:
+            self._parts = whole_keys(space, state_keys)
+        if self._parts is None:
+            box = gym.spaces.flatten_space(space)
+            low, high = box.low, box.high
+            self.state_layout = {"state": slice(0, len(low))}
+        else:
+            boxes = [gym.spaces.flatten_space(key_space(space, p)) for p in self._parts]
+            low = np.concatenate([b.low[p.start : p.stop] for b, p in zip(boxes, self._parts, strict=True)])
+            high = np.concatenate([b.high[p.start : p.stop] for b, p in zip(boxes, self._parts, strict=True)])
+            self.state_layout = parts_layout(self._parts)
+        size = len(low)
+        self.proprio_dim = size if proprio_dim is None else proprio_dim
+        if not 1 <= self.proprio_dim <= size:
+            raise ValueError(f"proprio_dim = {proprio_dim}; between 1 and the state size {size}")
+        low, high = low.astype(np.float32), high.astype(np.float32)
         spaces: dict[str, gym.Space] = {"state": gym.spaces.Box(low, high, low.shape, np.float32)}
         if image:
             if env.render_mode != "rgb_array":
@@ -93,7 +218,7 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
                 )
             spaces["image"] = gym.spaces.Box(0, 255, image_shape or _probe_frame_shape(env), np.uint8)
         self.observation_space = gym.spaces.Dict(spaces)
-        self._state = np.zeros(ends[-1], np.float32)
+        self._state = np.zeros(size, np.float32)
 
     def get_state(self) -> np.ndarray:
         """The state vector of the latest observation (what experts and supervisors act on)."""
@@ -124,11 +249,18 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     def _obs(self, obs) -> dict[str, np.ndarray]:
         space = self.env.observation_space
-        if self._keys is None:
+        if self._parts is None:
             self._state = gym.spaces.flatten(space, obs).astype(np.float32)
         else:
-            self._state = np.concatenate([gym.spaces.flatten(space[k], obs[k]) for k in self._keys])
-            self._state = self._state.astype(np.float32)
+            flat: dict[str, np.ndarray] = {}  # each key flattened once, however many parts read it
+            for part in self._parts:
+                if part.key not in flat:
+                    whole = isinstance(space, gym.spaces.Dict)
+                    value = obs[part.key] if whole else obs
+                    flat[part.key] = gym.spaces.flatten(key_space(space, part), value)
+            self._state = np.concatenate([flat[p.key][p.start : p.stop] for p in self._parts]).astype(
+                np.float32
+            )
         out = {"state": self._state.copy()}
         if self.image:
             out["image"] = np.asarray(self.env.render(), dtype=np.uint8)
@@ -142,21 +274,6 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             "instruction": self.instruction,
             "unstable": bool(info.get("unstable", False)),
         }
-
-
-def _state_keys(space: gym.Space, state_keys: Sequence[str] | None) -> list[str] | None:
-    """The Dict keys in "state" order (None: a space that is not a Dict, flattened whole)."""
-    if not isinstance(space, gym.spaces.Dict):
-        if state_keys is not None:
-            raise ValueError(f"state_keys needs Dict observations, not {type(space).__name__}")
-        return None
-    if state_keys is None:
-        return list(space.spaces)
-    if sorted(state_keys) != sorted(space.spaces):
-        raise ValueError(
-            f"state_keys = {list(state_keys)} must name every observation key once: {list(space.spaces)}"
-        )
-    return list(state_keys)
 
 
 def _probe_frame_shape(env: gym.Env) -> tuple[int, ...]:
@@ -181,6 +298,7 @@ def make_external(
     *,
     image_shape: tuple[int, int, int] | None = None,
     state_keys: Sequence[str] | None = None,
+    state_parts: Sequence[PartSpec] | None = None,
     proprio_dim: int | None = None,
     robot_type: str | None = None,
     **make_kwargs: Any,
@@ -189,48 +307,82 @@ def make_external(
     if image:
         make_kwargs.setdefault("render_mode", "rgb_array")
     env = gym.make(env_id, **make_kwargs)
-    return SuccessAdapter(
-        env,
-        instruction,
-        success_fn=success_fn,
-        success_key=success_key,
-        image=image,
-        image_shape=image_shape,
-        state_keys=state_keys,
-        proprio_dim=proprio_dim,
-        robot_type=robot_type,
-    )
+    try:
+        return SuccessAdapter(
+            env,
+            instruction,
+            success_fn=success_fn,
+            success_key=success_key,
+            image=image,
+            image_shape=image_shape,
+            state_keys=state_keys,
+            state_parts=state_parts,
+            proprio_dim=proprio_dim,
+            robot_type=robot_type,
+        )
+    except ValueError:
+        env.close()
+        raise
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExternalTask:
-    """A gymnasium task from another package that the trainers accept by its id: the package that
-    registers it, the instruction, which observation keys a policy may see (`proprio`, first in "state")
-    and which only experts and critics read (`privileged`), and extra `gymnasium.make` arguments."""
+    """A gymnasium task from outside mmrl that the trainers accept by its id, once registered with
+    `sim.register_task`: its instruction, the parts of the observations a policy may see (`proprio`,
+    first in "state") and those only experts and critics read (`privileged`), the module whose import
+    registers `env_id` with gymnasium (`package`; empty when the registering code has already run,
+    as in a plugin module) and extra `gymnasium.make` arguments.
+
+    A part is a whole observation key `(key, size)`, a named slice `(name, key, start, stop)` (e.g.
+    `("grip_pos", "observation", 0, 3)`) or a `StatePart`. With images the env is made with
+    render_mode="rgb_array", width and height."""
 
     env_id: str
-    package: str  # the module whose import registers env_id
-    install: str  # how to install that package
     instruction: str
-    proprio: tuple[tuple[str, int], ...]
-    privileged: tuple[tuple[str, int], ...]
-    robot_type: str
+    proprio: tuple[PartSpec, ...]  # StateParts once made
+    privileged: tuple[PartSpec, ...] = ()
+    robot_type: str | None = None
+    package: str = ""
+    install: str = ""  # how to install `package`
     make_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        try:
+            proprio = tuple(StatePart.of(p) for p in self.proprio)
+            privileged = tuple(StatePart.of(p) for p in self.privileged)
+        except ValueError as err:
+            raise ValueError(f"task {self.env_id}: {err}") from None
+        if not proprio:
+            raise ValueError(f"task {self.env_id}: proprio is empty; name the part(s) a policy sees")
+        names = [p.name for p in proprio + privileged]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"task {self.env_id}: state part name(s) {', '.join(map(repr, twice))} used twice; "
+                "give each part its own name"
+            )
+        object.__setattr__(self, "proprio", proprio)
+        object.__setattr__(self, "privileged", privileged)
+
     def layout(self) -> dict[str, slice]:
-        """Where each observation key lies in "state" (experts are built from this, before any env)."""
-        names = self.proprio + self.privileged
-        ends = np.cumsum([size for _, size in names]).tolist()
-        return {name: slice(end - size, end) for (name, size), end in zip(names, ends, strict=True)}
+        """Where each named part lies in "state" (experts are built from this, before any env)."""
+        return parts_layout(self.proprio + self.privileged)
 
     @property
     def proprio_dim(self) -> int:
-        return sum(size for _, size in self.proprio)
+        return sum(p.size for p in self.proprio)
 
     def missing(self) -> str | None:
-        """Why this task cannot be made here (its package is not installed), or None."""
-        if importlib.util.find_spec(self.package) is None:
-            return f"task {self.env_id} comes from {self.package}, which is not installed: {self.install}"
+        """Why this task cannot be made here (its package is not installed, or no code registered its
+        gymnasium id), or None."""
+        if self.package:
+            if importlib.util.find_spec(self.package) is None:
+                return f"task {self.env_id} comes from {self.package}, which is not installed: {self.install}"
+        elif self.env_id not in gym.registry:
+            return (
+                f"task {self.env_id} is registered with mmrl but not with gymnasium: call "
+                f"gymnasium.register({self.env_id!r}, ...) where the task is registered, or set its package"
+            )
         return None
 
     def make(self, obs_mode: str = "state", image_size: int = 96, **kwargs: Any) -> SuccessAdapter:
@@ -241,27 +393,24 @@ class ExternalTask:
         problem = self.missing()
         if problem:
             raise ImportError(problem)
-        gym.register_envs(importlib.import_module(self.package))
+        if self.package:
+            gym.register_envs(importlib.import_module(self.package))
         image = "rgb" in obs_mode
         if image:
             kwargs = {"width": image_size, "height": image_size, **kwargs}
-        env = make_external(
-            self.env_id,
-            self.instruction,
-            image=image,
-            image_shape=(image_size, image_size, 3) if image else None,  # some envs render only after reset
-            state_keys=list(self.layout()),
-            proprio_dim=self.proprio_dim,
-            robot_type=self.robot_type,
-            **{**self.make_kwargs, **kwargs},
-        )
-        if env.state_layout != self.layout():
-            env.close()
-            raise ValueError(
-                f"{self.env_id} from {self.package} gives state parts {env.state_layout}, mmrl expects "
-                f"{self.layout()}: update its entry in sim.adapters.EXTERNAL_TASKS"
+        try:
+            return make_external(
+                self.env_id,
+                self.instruction,
+                image=image,
+                image_shape=(image_size, image_size, 3) if image else None,  # some render only after reset
+                state_parts=self.proprio + self.privileged,
+                proprio_dim=self.proprio_dim,
+                robot_type=self.robot_type,
+                **{**self.make_kwargs, **kwargs},
             )
-        return env
+        except ValueError as err:
+            raise ValueError(f"task {self.env_id}: {err}; fix its sim.register_task call") from None
 
 
 FETCH_REACH = ExternalTask(
@@ -285,4 +434,5 @@ FETCH_REACH = ExternalTask(
         }
     },
 )
-EXTERNAL_TASKS: dict[str, ExternalTask] = {task.env_id: task for task in (FETCH_REACH,)}
+EXTERNAL_TASKS: dict[str, ExternalTask] = {}  # by env_id; filled by sim.register_task
+EXTERNAL_EXPERTS: dict[str, type] = {}  # env_id -> its sim.experts.Expert subclass; by sim.register_task

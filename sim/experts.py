@@ -10,7 +10,8 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from sim import EXTERNAL_TASKS, TASKS, ExternalTask, task_id
+from sim import TASKS, task_id
+from sim.adapters import EXTERNAL_EXPERTS, EXTERNAL_TASKS, ExternalTask
 from sim.env import CUBE_HALF, GRIPPER_OPEN, MAX_STEP, MAX_YAW_STEP, ArmEnv
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
 
@@ -159,7 +160,6 @@ EXPERTS: dict[type[ArmEnv], type[Expert]] = {
     PushEnv: PushExpert,
     PickPlaceEnv: PickPlaceExpert,
 }
-EXTERNAL_EXPERTS: dict[str, type[Expert]] = {"FetchReach-v4": FetchReachExpert}  # by EXTERNAL_TASKS id
 
 
 def expert_for(env: gym.Env | gym.vector.VectorEnv | str) -> Expert:
@@ -183,7 +183,10 @@ def expert_for(env: gym.Env | gym.vector.VectorEnv | str) -> Expert:
     if isinstance(task, ExternalTask):
         if task.env_id in EXTERNAL_EXPERTS:
             return EXTERNAL_EXPERTS[task.env_id](task)
-        raise TypeError(f"no scripted expert for {task.env_id}; add one to sim.experts.EXTERNAL_EXPERTS")
+        raise TypeError(
+            f"no scripted expert for {task.env_id}: register the task with "
+            "sim.register_task(task, expert=YourExpert), YourExpert a subclass of sim.experts.Expert"
+        )
     for cls, expert in EXPERTS.items():
         if issubclass(task, cls):
             return expert(task)

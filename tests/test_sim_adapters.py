@@ -89,7 +89,9 @@ def test_state_keys_need_dict_observations():
 
 
 def test_external_task_names_say_what_to_do():
-    with pytest.raises(ValueError, match="'Ant-v5' is a gymnasium env, but mmrl has no adapter.*EXTERNAL"):
+    with pytest.raises(
+        ValueError, match="'Ant-v5' is a gymnasium env, but mmrl has no adapter.*sim.register_task.*--plugin"
+    ):
         sim.task_id("Ant-v5")
     with pytest.raises(ValueError, match="unknown sim task 'FetchReech-v4'.*Did you mean 'FetchReach-v4'"):
         sim.task_id("FetchReech-v4")
@@ -102,3 +104,71 @@ def test_external_task_without_its_package_says_how_to_install_it(monkeypatch):
         sim.task_id("FetchReach-v4")
     with pytest.raises(ImportError, match="mmrl_no_such_package, which is not installed"):
         missing.make()
+
+
+def test_named_slices_split_one_observation_key():
+    env = SuccessAdapter(
+        gym.make("mmrl/Push-v0"),
+        "push",
+        state_parts=[("arm", "state", 0, 9), ("cube_xy", "state", 9, 11), ("ee_xyz", "state", 0, 3)],
+        proprio_dim=9,
+    )
+    obs, _ = env.reset(seed=0)
+    raw = env.unwrapped.get_state()
+    assert env.state_layout == {"arm": slice(0, 9), "cube_xy": slice(9, 11), "ee_xyz": slice(11, 14)}
+    np.testing.assert_array_equal(obs["state"], np.concatenate([raw[0:9], raw[9:11], raw[0:3]]))
+    assert env.observation_space.contains(obs) and env.observation_space["state"].shape == (14,)
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ([("arm", "state", 0, 9), ("arm", "state", 9, 12)], "name 'arm' is used twice"),
+        ([("arm", "state", 5, 999)], r"'arm' \(state\[5:999\]\) is out of range: 'state' has \d+ entries"),
+        ([("arm", "joints", 0, 3)], "have no key 'joints'; their keys: state"),
+        ([("state", 4)], r"'state' \(all of 'state'\) is given 4 entries, but 'state' has \d+"),
+        (
+            [("arm", "state", 3)],
+            r"give \(key, size\) for a whole observation key, \(name, key, start, stop\)",
+        ),
+    ],
+)
+def test_bad_state_parts_are_named(parts, message):
+    with pytest.raises(ValueError, match=message):
+        SuccessAdapter(gym.make("mmrl/Push-v0"), "push", state_parts=parts)
+
+
+def test_external_tasks_check_their_parts_and_registration():
+    fetch = sim.EXTERNAL_TASKS["FetchReach-v4"]
+    with pytest.raises(ValueError, match="task X-v0: state part name.*'grip'.*used twice"):
+        sim.ExternalTask(
+            env_id="X-v0", instruction="go", proprio=(("grip", "obs", 0, 3),), privileged=(("grip", 2),)
+        )
+    with pytest.raises(ValueError, match=r"'grip' = obs\[3:3\] is empty: need 0 <= start < stop"):
+        sim.ExternalTask(env_id="X-v0", instruction="go", proprio=(("grip", "obs", 3, 3),))
+    with pytest.raises(ValueError, match="'FetchReach-v4' is already registered"):
+        sim.register_task(fetch)
+    with pytest.raises(TypeError, match="must be a subclass of sim.experts.Expert"):
+        sim.register_task(dataclasses.replace(fetch, env_id="Other-v0"), expert=len)
+    unregistered = sim.ExternalTask(env_id="NoSuchGymEnv-v0", instruction="go", proprio=(("obs", 2),))
+    assert "not with gymnasium: call gymnasium.register('NoSuchGymEnv-v0'" in unregistered.missing()
+
+
+def test_a_task_registered_without_an_expert_says_how_to_add_one(monkeypatch):
+    from sim.experts import expert_for
+
+    bare = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], env_id="FetchReach-v3")
+    monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v3", bare)  # as register_task(bare) would
+    with pytest.raises(
+        TypeError, match=r"no scripted expert for FetchReach-v3: .*sim.register_task\(task, expert="
+    ):
+        expert_for(bare.env_id)
+
+
+def test_a_box_observation_is_sliced_as_observation():
+    env = SuccessAdapter(gym.make("CartPole-v1"), "balance", state_parts=[("pole", "observation", 2, 4)])
+    obs, _ = env.reset(seed=0)
+    np.testing.assert_array_equal(obs["state"], env.unwrapped.state[2:4].astype(np.float32))
+    assert env.state_layout == {"pole": slice(0, 2)} and env.proprio_dim == 2
+    with pytest.raises(ValueError, match="one Box, not a Dict; call it 'observation'"):
+        SuccessAdapter(gym.make("CartPole-v1"), "balance", state_parts=[("pole", "obs", 2, 4)])
