@@ -44,8 +44,9 @@ from vla_rl.policy import VLAPolicy
 VIDEO_FPS = 10  # the sim's control rate
 EXPERT_BORDER = (220, 30, 30)  # GIF frames that follow an expert action get a red border
 TASK_HELP = (  # the task option of every vla config
-    "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0), or an external gymnasium id "
-    "from sim.EXTERNAL_TASKS: FetchReach-v4 (gymnasium-robotics: pip install 'mmrl[fetch]')"
+    "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0), or the gymnasium id of an "
+    "external task: FetchReach-v4 (gymnasium-robotics: pip install 'mmrl[fetch]') or one registered "
+    "with sim.register_task by a module loaded with --plugin MODULE"
 )
 
 

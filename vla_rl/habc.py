@@ -80,7 +80,7 @@ from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, open_dataset
 from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
 from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
-from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy
+from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy, instruction_words
 from vla_rl.pretrain import checked_task, frame_tensors
 
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
@@ -522,6 +522,9 @@ class VLAHABCTrainer(Trainer):
                 "use a policy pretrained on a compatible task"
             )
         self.expert = expert_for(cfg.rollout.task)
+        added = self.policy.add_words(instruction_words(self.envs[0].get_wrapper_attr("instruction")))
+        if added and self.is_main:  # before the optimizer, which must hold the grown embedding
+            print(f"added the words {', '.join(added)} of task {cfg.rollout.task} to the policy's vocabulary")
         optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
         )

@@ -6,8 +6,11 @@ weights and normalisation statistics saved as model.safetensors).
 - Image: a 3-layer CNN (GroupNorm, ReLU) on the 96x96 camera frame, then a spatial softmax that turns
   each of `keypoints` feature maps into the expected (x, y) of its activation: where things are is what
   a pick-and-place policy needs, and it is cheap.
-- Instruction: word embeddings over a closed vocabulary (the sim tasks' instruction templates and
-  colours), read by a GRU, so that word order ("the red cube on the green pad") is kept.
+- Instruction: word embeddings, read by a GRU, so that word order ("the red cube on the green pad") is
+  kept. The vocabulary of a new policy holds the sim tasks' instruction templates and colours plus
+  every word of the instructions of the task it is built for (`task_vocabulary`); it is saved in
+  config.json. A word outside it reads as <unk>, with a warning naming it (once); fine-tuning adds the
+  task's new words with `add_words`, their embeddings starting as <unk>'s.
 - Proprioception: the first `proprio_dim` entries of the state (end-effector pose and velocity,
   gripper opening), standardised with the demonstrations' statistics. Never object poses: the policy
   must find the cube in the image.
@@ -29,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,11 +57,18 @@ CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def task_vocabulary() -> list[str]:
-    """PAD, UNK, then every word of the sim tasks' instructions (templates and colours), sorted."""
+def instruction_words(text: str) -> list[str]:
+    """The words of an instruction as the policy reads them (lower case, split at white space)."""
+    return text.lower().split()
+
+
+def task_vocabulary(instructions: Iterable[str] = ()) -> list[str]:
+    """PAD, UNK, then every word of the sim tasks' instructions (templates and colours) and of
+    `instructions` (those of the task a new policy is built for, e.g. an external task's), sorted."""
     from sim.env import PALETTE  # the robot extra: only building a new policy needs it
 
     words = {w for template in INSTRUCTION_TEMPLATES for w in template.split() if w != "{}"}
+    words |= {w for text in instructions for w in instruction_words(text)}
     return [PAD, UNK, *sorted(words | set(PALETTE))]
 
 
@@ -65,7 +76,9 @@ def task_vocabulary() -> list[str]:
 class VLAConfig:
     """Everything needed to rebuild a `VLAPolicy` (saved as config.json)."""
 
-    vocabulary: list[str] = field(default_factory=list)  # [PAD, UNK, words...]; see `task_vocabulary`
+    vocabulary: list[str] = field(
+        default_factory=list
+    )  # [PAD, UNK, words...]; `task_vocabulary`, `add_words`
     image_size: int = 96  # square camera frames, pixels
     proprio_dim: int = 9
     action_dim: int = 5
@@ -192,6 +205,7 @@ class VLAPolicy(nn.Module):
             self.register_buffer("state_mean", torch.zeros(len(config.state_index)))
             self.register_buffer("state_std", torch.ones(len(config.state_index)))
         self._word_index = {word: i for i, word in enumerate(config.vocabulary)}
+        self._reported_unknown: set[str] = set()  # words `tokenize` has warned about
         self._queue: np.ndarray | None = None  # (B, horizon, action_dim) chunks being executed by `act`
         self._cursor = np.zeros(0, dtype=np.int64)  # next action of each row's chunk
 
@@ -212,13 +226,44 @@ class VLAPolicy(nn.Module):
 
     # ----- inputs --------------------------------------------------------------------------------
     def tokenize(self, instructions: Sequence[str]) -> Tensor:
-        """Word ids (B, max_words), PAD after the words; words outside the vocabulary become UNK."""
+        """Word ids (B, max_words), PAD after the words; words outside the vocabulary become UNK, and
+        the first time a word does, a warning names it: the policy cannot tell it from other unknowns."""
         unk = self._word_index[UNK]
         tokens = torch.zeros(len(instructions), self.config.max_words, dtype=torch.long)
+        unknown: set[str] = set()
         for row, text in enumerate(instructions):
-            ids = [self._word_index.get(w, unk) for w in text.lower().split()][: self.config.max_words]
+            words = instruction_words(text)[: self.config.max_words]
+            unknown.update(w for w in words if w not in self._word_index)
+            ids = [self._word_index.get(w, unk) for w in words]
             tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        new = sorted(unknown - self._reported_unknown)
+        if new:
+            self._reported_unknown.update(new)
+            warnings.warn(
+                f"the policy's vocabulary lacks {', '.join(map(repr, new))}: read as {UNK}. Fine-tune it "
+                "on the task (`vla_habc` adds the task's words) or pretrain a policy for the task",
+                stacklevel=2,
+            )
         return tokens
+
+    def add_words(self, words: Iterable[str]) -> list[str]:
+        """Grow the vocabulary by the `words` it lacks (appended in sorted order, so the same call on
+        the same policy gives the same ids) and return them. Their embeddings start as UNK's, so the
+        policy acts as before until training tells them apart. Call it before building an optimizer."""
+        new = sorted({w for w in words if w not in self._word_index})
+        if not new:
+            return []
+        old = self.embed.weight
+        grown = nn.Embedding(
+            len(old) + len(new), old.shape[1], padding_idx=0, device=old.device, dtype=old.dtype
+        )
+        with torch.no_grad():
+            grown.weight[: len(old)] = old
+            grown.weight[len(old) :] = old[self._word_index[UNK]]
+        self.embed = grown
+        self.config = dataclasses.replace(self.config, vocabulary=[*self.config.vocabulary, *new])
+        self._word_index = {word: i for i, word in enumerate(self.config.vocabulary)}
+        return new
 
     def prepare(self, obs: Mapping[str, np.ndarray], instructions: Sequence[str]) -> dict[str, Tensor]:
         """A batch from stacked env observations: "image" (B, H, W, 3) uint8 and "proprio" or "state"
@@ -371,6 +416,7 @@ __all__ = [
     "VLAPolicy",
     "as_batch",
     "chunk_nll",
+    "instruction_words",
     "random_shift",
     "task_vocabulary",
 ]

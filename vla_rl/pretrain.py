@@ -231,10 +231,12 @@ class VLABCTrainer(Trainer):
         env = sim.make(cfg.data.task, obs_mode="state")
         proprio_dim = env.get_wrapper_attr("proprio_dim")
         layout = env.get_wrapper_attr("state_layout")
+        # the words of the task's instructions and the demonstrations' (an external task's may be new)
+        instructions = [env.get_wrapper_attr("instruction"), *dataset.tasks]
         env.close()
         m = cfg.model
         policy_config = VLAConfig(
-            vocabulary=task_vocabulary(),
+            vocabulary=task_vocabulary(instructions),
             image_size=cfg.data.image_size,
             proprio_dim=proprio_dim,
             action_dim=env.action_space.shape[0],
