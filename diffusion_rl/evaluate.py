@@ -169,6 +169,7 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
                 entry[name].update(paired(reference[name], values))
         results["models"][model] = entry
     out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "eval_diffusion.json").write_text(json.dumps(results, indent=1))
     if cfg.grid_prompts:
         save_labelled_grid(grids, cfg.models, prompts[: cfg.grid_prompts], out / "grid.png")

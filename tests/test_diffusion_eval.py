@@ -6,10 +6,13 @@ import shutil
 import pytest
 import torch
 
+from diffusion_rl import evaluate
 from diffusion_rl.evaluate import DiffusionEvalConfig, evaluate_models, paired
-from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import LORA_FILE, LORA_WEIGHTS, FlowPipeline, TinyFlowSpec
 from diffusion_rl.shapes import vocabulary
 from mmrl.cli import load_plugins, main
+from mmrl.config import REPO_ROOT, ConfigError
+from tests.test_lora_export import save_lora_result
 
 load_plugins()
 
@@ -90,3 +93,92 @@ def test_command_line_and_bad_input(two_models, tmp_path, capsys):
     ]:
         assert main(["eval", "diffusion", *overrides, f"output_dir={tmp_path}"]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def lora_and_merged(two_models, tmp_path_factory):
+    """A LoRA result on model a (alpha != rank, non-zero weights) and the same adapter merged into a
+    full model in memory and saved with save_pretrained."""
+    root = tmp_path_factory.mktemp("lora")
+    trainer = save_lora_result(root / "run", two_models[0])
+    trainer.pipe.denoiser.fuse_lora()
+    trainer.pipe.denoiser.unload_lora()
+    trainer.pipe.save_pretrained(root / "merged")
+    return str(root / "run" / "final"), str(root / "merged")
+
+
+def test_a_lora_result_scores_as_its_merged_model(two_models, lora_and_merged, tmp_path):
+    a, _ = two_models
+    lora, merged = lora_and_merged
+    cfg = DiffusionEvalConfig(
+        models=[a, merged, lora],
+        num_prompts=4,
+        steps=2,
+        rewards=["geneval_mini", "jpeg_compressibility"],
+        grid_prompts=2,
+        output_dir=str(tmp_path),
+    )
+    base, full, adapter = (evaluate_models(cfg)["models"][m] for m in cfg.models)
+    for name in base:
+        assert adapter[name]["mean"] == pytest.approx(full[name]["mean"], abs=1e-6)
+        assert adapter[name]["diff"] == pytest.approx(full[name]["diff"], abs=1e-6)
+    assert adapter["jpeg_compressibility"]["diff"] != 0.0  # the adapter changes the images
+
+
+def test_every_entry_prompt_and_reward_is_checked_before_any_sampling(
+    two_models, lora_and_merged, tmp_path, monkeypatch, capsys
+):
+    a, _ = two_models
+    lora, _ = lora_and_merged
+    sampled = []
+
+    def counting_sampler(pipe, prompts, *args):
+        sampled.append(len(prompts))
+        return torch.zeros(len(prompts), 3, 16, 16)
+
+    monkeypatch.setattr(evaluate, "sample_ode", counting_sampler)
+
+    def lora_copy(name, record=None, weights=None):
+        path = tmp_path / name
+        shutil.copytree(lora, path)
+        if record is not None:
+            (path / LORA_FILE).write_text(json.dumps(record))
+        if weights is not None:
+            (path / LORA_WEIGHTS).write_bytes(weights)
+        return str(path)
+
+    no_record = lora_copy("no_record")
+    (tmp_path / "no_record" / LORA_FILE).unlink()
+    bad_json = tmp_path / "bad_json"
+    shutil.copytree(a, bad_json)
+    (bad_json / "mmrl_pipeline.json").write_text("{")
+    text_model = tmp_path / "text_model"
+    text_model.mkdir()
+    (text_model / "config.json").write_text('{"model_type": "clip_text_model"}')
+    shipped = str(REPO_ROOT / "diffusion_rl" / "assets" / "tiny_flow")
+    cases = [
+        ("/nonexistent/model", "is not a directory"),
+        (lora_copy("moved_base", {"base": "/nonexistent/base"}), "base model '/nonexistent/base'"),
+        (no_record, "no mmrl_lora.json"),
+        (lora_copy("wrong_base", {"base": shipped}), "no LoRA weights for a unet"),
+        (lora_copy("corrupt", weights=b"not safetensors"), "not a readable safetensors file"),
+        (lora_copy("own_base", {"base": str(tmp_path / "own_base")}), "leads back"),
+        (str(bad_json), "is not valid JSON"),
+        (str(text_model), "not a text-to-image pipeline"),
+    ]
+    for bad, message in cases:
+        cfg = DiffusionEvalConfig(models=[a, bad], num_prompts=2, steps=1, output_dir=str(tmp_path / "out"))
+        with pytest.raises(ConfigError, match=message) as err:
+            evaluate_models(cfg)
+        assert str(err.value).startswith(f"config error: models[1] = {bad!r}") and "\n" not in str(err.value)
+    assert sampled == []
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na purple elephant\n")
+    with pytest.raises(ConfigError, match="'geneval_mini' cannot score these prompts"):
+        evaluate_models(DiffusionEvalConfig(models=[a, lora], prompts=str(prompts), output_dir=str(tmp_path)))
+    assert sampled == []
+
+    code = main(["eval", "diffusion", f"models=[{a},{cases[1][0]}]", f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "models[1]" in err and sampled == []
