@@ -2,18 +2,37 @@
 
 User mistakes (bad config, missing file, unknown name) print one ``error: ...`` line and exit 2;
 a traceback means a bug in mmrl.
+
+User code plugs in as a module that registers entries when imported (`REWARDS.register(name)`,
+`ADVANTAGES.register(name)`, `sim.register_task(...)`): `--plugin MODULE` on any subcommand, or
+``plugins: [MODULE, ...]`` in a config file, imports it after mmrl's own modules and before the config
+is checked. MODULE is a module name (the working directory is searched after the installed packages)
+or a path to a .py file. Packages can instead declare the ``mmrl.plugins`` entry point.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import importlib.util
 import json
+import os
 import sys
+from collections.abc import Iterable
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from mmrl.bench_all import bench_kwargs
-from mmrl.config import ConfigError, apply_overrides, list_recipes, load_config
+from mmrl.config import (
+    BaseConfig,
+    ConfigError,
+    apply_overrides,
+    list_recipes,
+    load_config,
+    read_yaml,
+    resolve_config_path,
+)
 from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, TRAINERS, UnknownNameError
 from mmrl.trainer import TrainingStopped
 
@@ -36,8 +55,6 @@ def load_plugins() -> None:
     A plugin whose dependencies are missing or of other versions (ImportError) is skipped with a
     warning, so that the others still work: e.g. `mmrl eval vla` in a LeRobot venv, whose
     transformers is too old for vlm_rl."""
-    import importlib
-
     for name in BUILTIN_MODULES:
         importlib.import_module(name)
     for entry in entry_points(group="mmrl.plugins"):
@@ -50,12 +67,85 @@ def load_plugins() -> None:
             )
 
 
+def load_user_plugins(specs: Iterable[str], origin: str) -> None:
+    """Import the user's modules named by `origin` (--plugin, or a config's plugins key), each once."""
+    for spec in specs:
+        try:
+            import_plugin(spec)
+        except ConfigError:
+            raise
+        except Exception as err:  # the user's code may raise anything: one line, naming the plugin
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            hint = ""
+            if isinstance(err, ModuleNotFoundError) and err.name == spec:
+                hint = "; give an importable module name (run mmrl in its directory) or a path to a .py file"
+            raise ConfigError(f"plugin {spec!r} ({origin}) failed to import: {reason}{hint}") from None
+
+
+def import_plugin(spec: str) -> None:
+    """Import a module by name (the working directory searched after the installed packages) or, for
+    a spec ending in .py or holding a path separator, from that file under its stem's name."""
+    if not spec.strip():
+        raise ConfigError("plugin '' is empty: give a module name or a path to a .py file")
+    if not (spec.endswith(".py") or "/" in spec or os.sep in spec):
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
+        importlib.import_module(spec)
+        return
+    path = Path(spec).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"plugin {spec!r}: no such file; give a path to a .py file or a module name")
+    loaded = sys.modules.get(path.stem)
+    if loaded is not None:
+        if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+            return
+        raise ConfigError(
+            f"plugin {spec!r}: a module named {path.stem!r} is already imported "
+            f"({getattr(loaded, '__file__', None) or 'built in'}); rename the file"
+        )
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"plugin {spec!r}: not a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[path.stem] = module  # before running it, as an import does (dataclasses look it up)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[path.stem]
+        raise
+
+
+def load_checked_config(name_or_path: str, overrides: list[str]) -> BaseConfig:
+    """`load_config`, after importing the modules of the config's ``plugins`` key: the rest of the
+    config may name their tasks, rewards and advantages, which validation looks up."""
+    data = apply_overrides(read_yaml(resolve_config_path(name_or_path)), list(overrides))
+    plugins = data.get("plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(
+            f"config error: plugins = {plugins!r} must be a list of module names or .py paths, "
+            "e.g. plugins: [my_tasks]"
+        )
+    load_user_plugins(plugins, f"plugins in {name_or_path}")
+    return load_config(name_or_path, overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE (a module name, also found in the working directory, or a path to a .py "
+        "file) before the config is checked, so that it can name the module's tasks, rewards, "
+        "advantages; repeatable",
+    )
 
     train = sub.add_parser(
         "train",
+        parents=[common],
         help="train a recipe",
         description=(
             "Train from a recipe (e.g. core/tiny_grpo) or a YAML path, with dotted overrides such as "
@@ -65,9 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="recipe name (see `mmrl list`) or path to a YAML file")
     train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for sections")
     train.add_argument("--resume", action="store_true", help="same as resume=true")
+    train.set_defaults(rest="overrides")
 
     pretrain = sub.add_parser(
         "pretrain",
+        parents=[common],
         help="build a tiny base model that RL recipes start from",
         description="Run the pretraining recipe configs/pretrain/NAME.yaml (`mmrl list` shows them as "
         "pretrain/NAME). NAME is a recipe name, not a path: run a YAML file of your own with "
@@ -76,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("name", help="pretraining recipe name, e.g. tiny_lm")
     pretrain.add_argument("overrides", nargs="*", help="key=value overrides")
     pretrain.add_argument("--resume", action="store_true", help="same as resume=true")
+    pretrain.set_defaults(rest="overrides")
 
     evaluate = sub.add_parser(
         "eval",
+        parents=[common],
         help="evaluate models side by side, or a run's newest checkpoint on held-out data",
         description="With an evaluator name (`mmrl list` shows them; e.g. `mmrl eval diffusion "
         "models=[A,B] seeds=4`), evaluate models side by side. With a recipe, load the newest good "
@@ -86,9 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("config", help="evaluator name, or recipe name or YAML path of the run")
     evaluate.add_argument("overrides", nargs="*", help="key=value overrides (e.g. output_dir=...)")
+    evaluate.set_defaults(rest="overrides")
 
     bench = sub.add_parser(
         "bench",
+        parents=[common],
         help="run a benchmark (ours vs baseline, side by side)",
         description="Run a named benchmark; `mmrl list` shows them. key=value options become the "
         "bench's keyword arguments (e.g. `mmrl bench core repeats=1`); `mmrl bench all` runs every "
@@ -96,9 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("name", help="benchmark name, e.g. core, or all")
     bench.add_argument("overrides", nargs="*", help="key=value options passed to the bench")
+    bench.set_defaults(rest="overrides")
 
     report = sub.add_parser(
         "report",
+        parents=[common],
         help="turn a run directory into an HTML page, or compare runs in one plot",
         description="Write RUN_DIR/report.html with metric curves and sample grids. With --compare, "
         "plot the held-out metric of several runs against wall-clock and model evaluations.",
@@ -106,19 +204,35 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", nargs="+", help="run directory (several with --compare)")
     report.add_argument("--compare", metavar="PNG", help="write a comparison plot of the runs to PNG")
     report.add_argument("--metric", default="heldout_alignment", help="held-out metric to compare")
+    report.set_defaults(rest="run_dir")
 
     sub.add_parser(
         "list",
+        parents=[common],
         help="list recipes and every registry with its entries",
         description="List recipes and every registry with its entries.",
     )
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, options allowed between the positional ones (`mmrl pretrain vla --plugin m
+    key=value`): argparse leaves positionals after an option unparsed, and they join the list."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    rest = getattr(args, "rest", None)
+    if extra and (rest is None or any(arg.startswith("-") for arg in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        getattr(args, rest).extend(extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         load_plugins()
+        load_user_plugins(args.plugin, "--plugin")
         return COMMANDS[args.command](args)
     except (ConfigError, UnknownNameError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -130,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
-    config = load_config(args.config, overrides)
+    config = load_checked_config(args.config, overrides)
     trainer = TRAINERS.get(config.trainer)(config)
     accelerator, is_main = trainer.accelerator, trainer.is_main
     try:
@@ -167,7 +281,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.config in EVALUATORS:
         EVALUATORS.get(args.config)(list(args.overrides))
         return 0
-    config = load_config(args.config, list(args.overrides))
+    config = load_checked_config(args.config, list(args.overrides))
     print(json.dumps(TRAINERS.get(config.trainer)(config).evaluate_checkpoint()))
     return 0
 

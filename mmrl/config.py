@@ -46,6 +46,11 @@ class BaseConfig:
     """Fields every trainer shares: where the run lives, how long it is, how it checkpoints."""
 
     trainer: str = option("", "trainer name (see `mmrl list`)", registry="trainer")
+    plugins: list[str] = option(
+        [],
+        "modules (importable names, or paths to .py files) that `mmrl` imports before it checks the "
+        "rest of the config, so that it may name their tasks, rewards, advantages (same as --plugin)",
+    )
     output_dir: str = option("runs/default", "run directory: config, metrics, checkpoints, samples")
     seed: int = option(0, "run seed: every random draw derives from it", min=0)
     resume: bool = option(False, "continue from the newest good checkpoint in output_dir")
