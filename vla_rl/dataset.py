@@ -1083,3 +1083,52 @@ def record_episodes(
         if own_env:
             env.close()
     return RobotDataset(root)
+
+
+def expert_demonstrations(
+    root: str | Path,
+    task: str,
+    episodes: int,
+    seed: int,
+    required: Mapping[str, tuple[int, ...]],
+    *,
+    key: str,
+    image_size: int = 96,
+    action_noise: float = 0.0,
+) -> RobotDataset:
+    """The scripted expert's `episodes` demonstrations of `task` (reset seeds seed, seed+1, ...) in
+    `root`: read when an earlier run recorded them there, else recorded now. They are recorded beside
+    `root` and renamed into place, so a killed run never leaves half a dataset; a dataset that does
+    not fit `required` or holds another number of episodes is a ConfigError naming `key`."""
+    import shutil
+
+    root = Path(root)
+    if (root / "meta" / "info.json").is_file():
+        try:
+            dataset = RobotDataset(root)
+            dataset.check_features(required)
+        except ConfigError as err:
+            raise ConfigError(
+                f"config error: the demonstrations an earlier run recorded in {str(root)!r} cannot be used "
+                f"({err}): delete that folder to record them again"
+            ) from None
+        if len(dataset.episodes) != episodes:
+            raise ConfigError(
+                f"config error: {str(root)!r} holds {len(dataset.episodes)} demonstrations, {key} = "
+                f"{episodes}: use a new output_dir"
+            )
+        return dataset
+    partial = root.with_name(root.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    record_episodes(
+        task,
+        None,
+        episodes,
+        seed,
+        partial,
+        obs_mode="state+rgb",
+        image_size=image_size,
+        action_noise=action_noise,
+    )
+    os.replace(partial, root)
+    return RobotDataset(root)

@@ -76,7 +76,14 @@ from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import check_memory
 from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.buffer import ReplayBuffer
-from vla_rl.dataset import ACTION_KEY, IMAGE_KEY, STATE_KEY, open_dataset
+from vla_rl.dataset import (
+    ACTION_KEY,
+    IMAGE_KEY,
+    STATE_KEY,
+    RobotDataset,
+    expert_demonstrations,
+    open_dataset,
+)
 from vla_rl.evaluate import TASK_HELP, evaluate_policy, wilson_interval, write_gif
 from vla_rl.evaluate import run_episodes as run_eval_episodes
 from vla_rl.online import Episode, Supervisor, Transitions, add_to_buffer, run_episodes
@@ -203,6 +210,12 @@ class HABCTrainConfig:
     demos: str | None = option(
         None, "LeRobot dataset of demonstrations (e.g. the base's OUTPUT_DIR/demos) mixed into actor batches"
     )
+    demo_episodes: int = option(
+        0,
+        "scripted-expert demonstrations of rollout.task to record into OUTPUT_DIR/demos at the start (reset "
+        "seeds 0, 1, ...: those `mmrl pretrain vla` records) and mix in like train.demos; 0: none",
+        min=0,
+    )
     demo_fraction: float = option(
         0.5, "share of each actor batch drawn from train.demos (weight 1, like pretraining)", min=0.0, max=1.0
     )
@@ -259,8 +272,20 @@ class VLAHABCConfig(BaseConfig):
                 f"config error: rollout.group_size = {r.group_size}: method grpo compares episodes of "
                 "the same reset seed, so it needs rollout.group_size >= 2"
             )
+        if self.train.demos and self.train.demo_episodes:
+            raise ConfigError(
+                f"config error: train.demos = {self.train.demos!r} and train.demo_episodes = "
+                f"{self.train.demo_episodes} both give demonstrations: set one (train.demo_episodes=0 "
+                "to use the dataset)"
+            )
         train_seeds = range(r.seed, r.seed + self.steps * seed_block(self))
         held_out = range(self.eval.seed, self.eval.seed + self.eval.episodes)
+        if self.train.demo_episodes > held_out.start:
+            raise ConfigError(
+                f"config error: train.demo_episodes = {self.train.demo_episodes} records demonstrations from "
+                f"reset seeds 0..{self.train.demo_episodes - 1}, which reach the evaluation seeds from "
+                f"eval.seed = {self.eval.seed}: record fewer or raise eval.seed"
+            )
         if train_seeds.start < held_out.stop and held_out.start < train_seeds.stop:
             raise ConfigError(
                 f"config error: eval.seed = {self.eval.seed} makes evaluation seeds "
@@ -537,26 +562,47 @@ class VLAHABCTrainer(Trainer):
             "failure": cfg.train.failure_capacity,
         }
         self.buffer = ReplayBuffer(capacity)
-        self.demo_frames = self.load_demos() if cfg.train.demos else None
+        self.demo_frames = (
+            self.load_demos(open_dataset(cfg.train.demos, "train.demos")) if cfg.train.demos else None
+        )
         self.episode_length: dict[int, int] = {}
         self.counters = {"env_steps": 0, "episodes": 0, "interventions": 0, "successes": 0}
 
-    def load_demos(self) -> dict[str, Tensor]:
-        """Every frame of `train.demos` as training tensors, after checking it fits the policy and task."""
-        cfg, path = self.config, self.config.train.demos
-        dataset = open_dataset(path, "train.demos")
-        env, size = self.envs[0], self.policy.config.image_size
-        try:
-            dataset.check_features(
-                {
-                    IMAGE_KEY: (size, size, 3),
-                    STATE_KEY: env.observation_space["state"].shape,
-                    ACTION_KEY: env.action_space.shape,
-                }
+    def start_run_dir(self) -> None:
+        """The run directory, then the demonstrations `train.demo_episodes` asks for, recorded into it
+        (or read back when the run resumes)."""
+        super().start_run_dir()
+        cfg = self.config
+        if cfg.train.demo_episodes:
+            dataset = expert_demonstrations(
+                self.run_dir / "demos",
+                cfg.rollout.task,
+                cfg.train.demo_episodes,
+                0,
+                self.demo_features(),
+                key="train.demo_episodes",
+                image_size=self.policy.config.image_size,
             )
+            self.demo_frames = self.load_demos(dataset)
+
+    def demo_features(self) -> dict[str, tuple[int, ...]]:
+        """The shapes a demonstration dataset needs to train this policy on this task."""
+        env, size = self.envs[0], self.policy.config.image_size
+        return {
+            IMAGE_KEY: (size, size, 3),
+            STATE_KEY: env.observation_space["state"].shape,
+            ACTION_KEY: env.action_space.shape,
+        }
+
+    def load_demos(self, dataset: RobotDataset) -> dict[str, Tensor]:
+        """Every frame of the demonstrations as training tensors, after checking they fit the policy
+        and task."""
+        try:
+            dataset.check_features(self.demo_features())
         except ValueError as err:
             raise ConfigError(
-                f"config error: train.demos = {path!r} does not fit task {cfg.rollout.task}: {err}"
+                f"config error: train.demos = {str(dataset.root)!r} does not fit task "
+                f"{self.config.rollout.task}: {err}"
             ) from None
         return frame_tensors(dataset, self.policy)
 
