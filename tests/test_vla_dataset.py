@@ -523,7 +523,8 @@ def test_pretrain_refuses_a_bad_data_path_before_writing_anything(root, tmp_path
 
     shutil.copytree(root, out / "demos")  # demonstrations an earlier run recorded, damaged since
     message = (
-        r"in output_dir cannot be used: .*file-000.parquet is not a readable parquet file .*; delete .*demos"
+        r"recorded in '.*demos' cannot be used \(.*file-000.parquet is not a readable parquet file .*\): "
+        "delete that folder"
     )
     with pytest.raises(ConfigError, match=message):
         demonstrations(load_config("pretrain/vla", [f"output_dir={out}"]), out)

@@ -55,7 +55,7 @@ TINY = [
     "intervention.window=3",
     "intervention.threshold=0.4",
     "intervention.takeover_steps=4",
-    "train.demos=null",  # the recipes mix in the pretraining run's demonstrations; these tests have none
+    "train.demo_episodes=0",  # the recipes record and mix in the base's demonstrations; these tests have none
 ]
 
 
@@ -344,6 +344,29 @@ def test_actor_updates_keep_training_the_auxiliary_object_positions(tmp_path, re
 
 
 @needs_rendering
+def test_demo_episodes_are_recorded_into_the_run_and_read_back_on_resume(tmp_path, tiny_policy_dir):
+    trainer, _ = run(tmp_path, tiny_policy_dir, "train.demo_episodes=2", "train.demo_fraction=1.0")
+    demos = RobotDataset(tmp_path / "demos")
+    assert len(demos.episodes) == 2 and not (tmp_path / "demos.partial").exists()
+    assert len(trainer.demo_frames["actions"]) == len(demos)  # every recorded frame is trained on
+    # the expert from reset seeds 0, 1: the same frames as a recording made apart
+    record_episodes("Reach", None, 2, 0, tmp_path / "apart", obs_mode="state+rgb", image_size=SIZE)
+    assert (tmp_path / "demos/data").exists() and len(RobotDataset(tmp_path / "apart")) == len(demos)
+    stamp = (tmp_path / "demos/meta/info.json").stat().st_mtime_ns
+    run(
+        tmp_path,
+        tiny_policy_dir,
+        "train.demo_episodes=2",
+        "train.demo_fraction=1.0",
+        "steps=3",
+        "resume=true",
+    )
+    assert (tmp_path / "demos/meta/info.json").stat().st_mtime_ns == stamp  # read back, not recorded again
+    with pytest.raises(ConfigError, match=r"train.demos = .* and train.demo_episodes = 2 both give"):
+        load_config("vla/habc", ["train.demos=somewhere", "train.demo_episodes=2"])
+
+
+@needs_rendering
 def test_demonstrations_that_do_not_fit_the_policy_are_named(tmp_path, tiny_policy_dir):
     root = tmp_path / "demos16"
     record_episodes("Reach", None, 1, 0, root, obs_mode="state+rgb", image_size=16)
@@ -458,14 +481,15 @@ def test_recipes_share_the_budget(recipe):
     assert (config.eval.episodes, config.eval.seed) == (reference.eval.episodes, reference.eval.seed)
     assert config.train.batch_size == reference.train.batch_size
     if recipe == "grpo":
-        assert config.train.demos is None  # pure RL on its own rollouts
+        assert config.train.demos is None and config.train.demo_episodes == 0  # pure RL on its own rollouts
         # GRPO's updates are PPO epochs over one iteration's episodes, not draws from the replay buffer:
         # more of them push the ratios out of the clip range (docs/results.md), so it takes fewer
         assert config.train.updates <= reference.train.updates
     else:
         assert config.train.updates == reference.train.updates
         assert config.intervention == reference.intervention  # the same supervisor, release guard included
-        assert (config.train.demos, config.train.demo_fraction) == (
+        assert (config.train.demos, config.train.demo_episodes, config.train.demo_fraction) == (
             reference.train.demos,
+            reference.train.demo_episodes,
             reference.train.demo_fraction,
         )

@@ -13,7 +13,6 @@ so that RL has room to improve it.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +28,8 @@ from vla_rl.dataset import (
     STATE_KEY,
     RobotDataset,
     check_dataset,
+    expert_demonstrations,
     open_dataset,
-    record_episodes,
 )
 from vla_rl.evaluate import TASK_HELP, evaluate_policy
 from vla_rl.policy import VLAConfig, VLAPolicy, chunk_nll, random_shift, task_vocabulary
@@ -156,36 +155,16 @@ def demonstrations(cfg: VLABCConfig, run_dir: os.PathLike) -> RobotDataset:
     required = policy_features(cfg.data.task, cfg.data.image_size)
     if cfg.data.path is not None:
         return open_dataset(cfg.data.path, "data.path", required)
-    root = os.path.join(run_dir, "demos")
-    if os.path.isfile(os.path.join(root, "meta", "info.json")):
-        try:
-            dataset = RobotDataset(root)
-            dataset.check_features(required)
-        except ConfigError as err:
-            raise ConfigError(
-                f"config error: the demonstrations an earlier run recorded in output_dir cannot be used: "
-                f"{err}; delete {root} to record them again"
-            ) from None
-        if len(dataset.episodes) != cfg.data.episodes:
-            raise ConfigError(
-                f"config error: {root} holds {len(dataset.episodes)} demonstrations, data.episodes = "
-                f"{cfg.data.episodes}: use a new output_dir (or data.path={root})"
-            )
-        return dataset
-    partial = root + ".partial"  # recorded aside and renamed, so a crash never leaves half a dataset
-    shutil.rmtree(partial, ignore_errors=True)
-    record_episodes(
+    return expert_demonstrations(
+        os.path.join(run_dir, "demos"),
         cfg.data.task,
-        None,
         cfg.data.episodes,
         cfg.data.seed,
-        partial,
-        obs_mode="state+rgb",
+        required,
+        key="data.episodes",
         image_size=cfg.data.image_size,
         action_noise=cfg.data.action_noise,
     )
-    os.replace(partial, root)
-    return RobotDataset(root)
 
 
 def object_positions(layout: dict[str, slice], proprio_dim: int) -> list[int]:
