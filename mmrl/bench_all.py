@@ -84,6 +84,14 @@ def bench_kwargs(fn: Callable[..., Any], data: dict[str, Any], prefix: str = "")
     return {**{k: v for k, v in vars(checked).items() if k in data}, **extra}
 
 
+def check_counts(**counts: int) -> None:
+    """A bench's count options (repeats, steps, ...) at least 1, else a ConfigError naming the key,
+    raised before any work: a count of 0 would time nothing and fail later on an empty median."""
+    for key, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"config error: {key} = {value}: must be at least 1")
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -242,6 +250,7 @@ def bench_all(
         "ratios": table,
         "benches": report,
     }
+    path.parent.mkdir(parents=True, exist_ok=True)  # checked before the benches ran, made only now
     path.write_text(json.dumps(_jsonable(document), indent=1))
     print(f"wrote {path}")
     return table

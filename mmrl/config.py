@@ -384,10 +384,14 @@ def save_config(config: BaseConfig, path: Path) -> None:
 
 
 def check_output_dir(path: str | Path, key: str = "output_dir") -> Path:
-    """The directory `path` made (parents too) and proven writable, or a ConfigError naming `key`.
+    """`path` as a Path once it is shown that the directory can be made and written, or a ConfigError
+    naming `key`.
 
     Called before any work, so that a bad output directory fails in one line instead of after
-    training or evaluating."""
+    training or evaluating. It leaves nothing behind, so that a command refused later (a missing
+    model, say) leaves no empty directory either: a missing directory is not made here (its writer
+    makes it when it first writes); the nearest existing folder is probed instead, with a temporary
+    file that is removed at once."""
     import os
     import tempfile
 
@@ -395,18 +399,24 @@ def check_output_dir(path: str | Path, key: str = "output_dir") -> Path:
         raise ConfigError(f"config error: {key} is empty: give a directory, e.g. {key}=runs/my_run")
     out = Path(path)
     for parent in (out, *out.parents):
+        if parent.is_symlink() and not parent.exists():
+            raise ConfigError(
+                f"config error: {key} = {str(path)!r}: {str(parent)!r} is a broken symbolic link: "
+                "remove it or give another directory"
+            )
         if parent.exists() and not parent.is_dir():
             what = "is a file" if parent == out else f"is under {str(parent)!r}, which is a file"
             raise ConfigError(f"config error: {key} = {str(path)!r} {what}: give a directory path")
+    existing = next(parent for parent in (out, *out.parents, Path.cwd()) if parent.is_dir())
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".mmrl-write-check-"):
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".mmrl-write-check-"):
             pass
     except OSError as err:
         reason = os.strerror(err.errno) if err.errno else str(err)
+        where = "" if existing == out else f": its nearest existing folder {str(existing)!r} is not"
         raise ConfigError(
-            f"config error: {key} = {str(path)!r} is not writable ({reason}): choose another directory "
-            "or fix its permissions"
+            f"config error: {key} = {str(path)!r} is not writable{where} ({reason}): choose another "
+            "directory or fix its permissions"
         ) from None
     return out
 

@@ -61,6 +61,7 @@ class Trainer:
         self.nan_streak = 0  # non-finite steps in a row (see `skip_step`)
         self.skipped_steps = 0
         self.resume_from: Checkpoint | None = None  # found by `prepare_run_dir`, loaded by `restore`
+        self.corrupt_checkpoints: list[Path] = []  # found by `prepare_run_dir`, set aside by `start_run_dir`
         self.watch = CollectiveWatch(
             config.collective_warn_seconds, self.accelerator.process_index, self.accelerator.num_processes
         )
@@ -101,8 +102,8 @@ class Trainer:
 
     def prepare_run_dir(self) -> None:
         """Check the run directory and the checkpoint to resume from before any work: a mistake
-        fails here, in one line, instead of after training steps. Nothing is written but the
-        (empty) directory itself; `start_run_dir` writes once `setup` has checked the rest."""
+        fails here, in one line, instead of after training steps. Nothing is written (the directory
+        is not even made): `start_run_dir` writes once `setup` has checked the rest."""
         check_output_dir(self.config.output_dir, "output_dir")
         for folder in (self.checkpoint_dir, self.samples_dir):
             if folder.exists():
@@ -117,14 +118,17 @@ class Trainer:
             self.resume_from = self.find_resume_checkpoint()
 
     def start_run_dir(self) -> None:
-        """Clean up after killed checkpoint writes and record the config (after `setup`, whose own
-        checks of models, data and sizes must also pass before anything is written)."""
+        """Make the run directory, clean up after killed checkpoint writes, set aside the corrupt
+        checkpoints `prepare_run_dir` found and record the config (after `setup`, whose own checks of
+        models, data and sizes must also pass before anything is written)."""
         self.accelerator.wait_for_everyone()  # every rank has read the checkpoints before any is moved
         if self.is_main:
             removed = remove_unfinished_writes(self.checkpoint_dir)
             if removed:
                 print(f"removed {len(removed)} unfinished checkpoint write(s) in {self.checkpoint_dir}")
-            self.samples_dir.mkdir(exist_ok=True)
+            if self.corrupt_checkpoints:
+                set_aside(self.checkpoint_dir, self.corrupt_checkpoints)
+            self.samples_dir.mkdir(parents=True, exist_ok=True)
             saved = self.run_dir / "config.yaml"
             if self.config.resume and saved.is_file():
                 warn_config_changes(saved, self.config)
@@ -135,9 +139,9 @@ class Trainer:
     def find_resume_checkpoint(self) -> Checkpoint | None:
         """The newest good checkpoint, checked against this launch; None to start at step 0.
 
-        Every checkpoint corrupt is refused unless ``discard_corrupt_checkpoints=true`` (then they
-        are moved to ``checkpoints/corrupt/``); so is a checkpoint written by another number of
-        processes, whose ranks drew other data and would continue on another trajectory."""
+        Every checkpoint corrupt is refused unless ``discard_corrupt_checkpoints=true`` (then
+        `start_run_dir` moves them to ``checkpoints/corrupt/``); so is a checkpoint written by another
+        number of processes, whose ranks drew other data and would continue on another trajectory."""
         try:
             checkpoint = load_latest_checkpoint(self.checkpoint_dir)
         except NoUsableCheckpoint as err:
@@ -146,10 +150,10 @@ class Trainer:
                     f"{err}: nothing to resume from; pass discard_corrupt_checkpoints=true to set them "
                     "aside and start at step 0, or choose a new output_dir=..."
                 ) from None
-            self.accelerator.wait_for_everyone()
+            self.corrupt_checkpoints = [path for path, _ in err.problems]
             if self.is_main:
-                aside = set_aside(self.checkpoint_dir, [path for path, _ in err.problems])
-                warnings.warn(f"{err}; moved them to {aside} and starting at step 0", stacklevel=2)
+                aside = self.checkpoint_dir / "corrupt"
+                warnings.warn(f"{err}; moving them to {aside} and starting at step 0", stacklevel=2)
             return None
         if checkpoint is None:
             if self.is_main:

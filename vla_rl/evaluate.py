@@ -342,6 +342,7 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
         "policies": {},
     }
     reference: np.ndarray | None = None
+    gifs: list[tuple[list[np.ndarray], list[bool], Path]] = []  # written once every policy has run
     for index, path in enumerate(cfg.policies):
         policy = load_policy(path)
         episodes = run_episodes(
@@ -369,11 +370,13 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
             outcome = "success" if episodes.success[k] else "failure"
             name = f"episode{k:03d}_seed{episodes.seeds[k]}_{outcome}.gif"
             gif = out / "videos" / policy_label(index, path) / name
-            write_gif(frames, by_expert, gif)
+            gifs.append((frames, by_expert, gif))
             videos.append(str(gif))
         entry["videos"] = videos
         results["policies"][path] = entry
     out.mkdir(parents=True, exist_ok=True)
+    for frames, by_expert, gif in gifs:
+        write_gif(frames, by_expert, gif)
     (out / "eval_vla.json").write_text(json.dumps(results, indent=1))
     return results
 

@@ -1019,6 +1019,7 @@ def evaluate_vlm(cfg: VLMEvalConfig) -> dict[str, Any]:
         "rollout": dataclasses.asdict(cfg.rollout),
         "results": score_results(results, modes, bench.scoring),
     }
+    out.mkdir(parents=True, exist_ok=True)  # checked before the model ran, made only now
     (out / "eval_vlm.json").write_text(json.dumps(_finite(report), indent=1))
     with (out / "eval_vlm_predictions.jsonl").open("w") as file:
         for result in results:
