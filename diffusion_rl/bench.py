@@ -22,6 +22,7 @@ import torch
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer, plan_for, rollout_trees
+from mmrl.bench_all import check_counts
 from mmrl.config import load_config
 from mmrl.precision import explore_precision
 from mmrl.registry import BENCHES
@@ -86,6 +87,7 @@ def _verdict(ratio: float, target: float | None) -> str:
 
 @BENCHES.register("diffusion")
 def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
+    check_counts(iterations=iterations)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

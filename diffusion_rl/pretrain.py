@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from diffusion_rl.models import FlowPipeline, TinyFlowSpec
 from diffusion_rl.sampling import evaluate_alignment
 from diffusion_rl.shapes import make_dataset, vocabulary
-from mmrl.config import BaseConfig, option
+from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer
 
@@ -68,6 +68,16 @@ class DiffusionPretrainConfig(BaseConfig):
     model: PretrainModelConfig = dataclasses.field(default_factory=PretrainModelConfig)
     train: PretrainTrainConfig = dataclasses.field(default_factory=PretrainTrainConfig)
     eval: PretrainEvalConfig = dataclasses.field(default_factory=PretrainEvalConfig)
+
+    def __post_init__(self) -> None:
+        m = self.model
+        if m.backbone == "sd3" and m.image_size % m.patch_size:
+            fits = m.image_size - m.image_size % m.patch_size
+            raise ConfigError(
+                f"config error: model.image_size = {m.image_size} is not a multiple of model.patch_size = "
+                f"{m.patch_size}: the transformer draws whole patches; use model.image_size={fits} or a "
+                "patch_size that divides it"
+            )
 
 
 @TRAINERS.register("diffusion_pretrain")

@@ -16,7 +16,8 @@ from functools import partial
 import torch
 
 from mmrl.advantages import awr, gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
-from mmrl.bench_all import print_table
+from mmrl.bench_all import check_counts, print_table
+from mmrl.config import check_device
 from mmrl.noise import NoiseKey, keyed_rand, keyed_randn, keyed_randn_batch
 from mmrl.registry import BENCHES
 
@@ -151,7 +152,8 @@ def bench_core(repeats: int = 5, device: str | torch.device = "cpu", n_groups: i
     n_groups sets the advantage problem sizes (65536 groups of 16 = 1M rewards; gae gets
     [n_groups // 64, 1024] steps); tests pass a small value.
     """
-    device = torch.device(device)
+    check_counts(repeats=repeats, n_groups=n_groups)
+    device = torch.device(check_device(str(device), "device"))
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     noise_rows = _noise_rows(repeats, device, sync)
     advantage_rows = _advantage_rows(repeats, device, sync, n_groups)

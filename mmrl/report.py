@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mmrl.config import ConfigError, check_output_dir  # noqa: E402
 from mmrl.runlog import METRICS_FILE, read_metrics  # noqa: E402
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
@@ -554,28 +555,55 @@ def write_report(run_dir: str | Path) -> Path:
     return out
 
 
+def check_plot_path(out: str | Path) -> Path:
+    """`out` as a Path a figure can be saved to, checked before any run is read and without making
+    its folder: a suffix matplotlib cannot write, a directory or an unwritable folder fails in one
+    line, and a refused command leaves nothing behind."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(out)
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix.lower().removeprefix(".") not in formats:
+        raise ConfigError(
+            f"--compare {str(out)!r}: matplotlib cannot write a {path.suffix or 'suffix-less'} file: give "
+            f"a .png path (or one of .{', .'.join(formats)})"
+        )
+    if path.is_dir():
+        raise ConfigError(
+            f"--compare {str(out)!r} is a directory: give a file path, e.g. {path / 'compare.png'}"
+        )
+    check_output_dir(path.parent, "--compare (its folder)")
+    return path
+
+
+def held_out_curve(run: Path, metric: str) -> list[tuple[float, float, float]]:
+    """(training seconds, model evaluations, held-out `metric`) of a finished run: before training,
+    every `eval_every` steps and after; FileNotFoundError when the run has not finished."""
+    rows = read_metrics(run) if (run / "metrics.jsonl").is_file() else []
+    evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+    if not rows or any(metric not in evals.get(key, {}) for key in ("before", "after")):
+        raise FileNotFoundError(
+            f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
+            "with before/after); train it to the end first"
+        )
+    seconds, nfe, points = 0.0, 0.0, [(0.0, 0.0, evals["before"][metric])]
+    for row in rows:
+        seconds += float(row.get("step_seconds", 0.0))
+        nfe += float(row.get("nfe", 0.0)) + float(row.get("explore_nfe", 0.0))
+        if f"eval_{metric}" in row:
+            points.append((seconds, nfe, float(row[f"eval_{metric}"])))
+    points.append((seconds, nfe, evals["after"][metric]))
+    return points
+
+
 def compare_runs(run_dirs: list[str | Path], metric: str, out: str | Path) -> Path:
     """One PNG comparing runs: held-out `metric` (before, every `eval_every` steps, after) against
     training wall-clock (sum of `step_seconds`) and against model evaluations (sum of `nfe` plus
-    `explore_nfe`, per prompt). Raise FileNotFoundError / KeyError naming what is missing."""
+    `explore_nfe`, per prompt). Every run and `out` are checked before anything is written."""
+    out = check_plot_path(out)
+    curves = [(Path(run_dir).name, held_out_curve(Path(run_dir), metric)) for run_dir in run_dirs]
     fig, (by_time, by_nfe) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for run_dir in run_dirs:
-        run = Path(run_dir)
-        rows = read_metrics(run) if (run / "metrics.jsonl").is_file() else []
-        evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
-        if not rows or metric not in evals.get("after", {}):
-            raise FileNotFoundError(
-                f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
-                "with before/after); train it to the end first"
-            )
-        seconds, nfe, points = 0.0, 0.0, [(0.0, 0.0, evals["before"][metric])]
-        for row in rows:
-            seconds += float(row.get("step_seconds", 0.0))
-            nfe += float(row.get("nfe", 0.0)) + float(row.get("explore_nfe", 0.0))
-            if f"eval_{metric}" in row:
-                points.append((seconds, nfe, float(row[f"eval_{metric}"])))
-        points.append((seconds, nfe, evals["after"][metric]))
-        label = run.name
+    for label, points in curves:
         by_time.plot([p[0] for p in points], [p[2] for p in points], marker="o", ms=3, label=label)
         by_nfe.plot([p[1] for p in points], [p[2] for p in points], marker="o", ms=3, label=label)
     by_time.set_xlabel("training wall-clock (s)")
@@ -584,7 +612,6 @@ def compare_runs(run_dirs: list[str | Path], metric: str, out: str | Path) -> Pa
         ax.set_ylabel(f"held-out {metric}")
         ax.grid(alpha=0.3)
     by_nfe.legend(fontsize=8)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.bench_all import print_table
-from mmrl.config import ConfigError
+from mmrl.bench_all import check_counts, print_table
+from mmrl.config import ConfigError, check_device
 from mmrl.registry import BENCHES
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 
@@ -154,6 +154,8 @@ def bench_vla(
     architecture (the speed does not depend on the weights), run on `device`."""
     import sim
 
+    check_counts(steps=steps, num_envs=num_envs, repeats=repeats)
+    device = check_device(device, "device")
     try:
         task = sim.task_id(task)
     except ValueError as err:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mmrl.bench_all import check_counts
+from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
 from mmrl.registry import BENCHES
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary
@@ -45,6 +47,12 @@ def _tokens_per_second(adapter: VLMAdapter, questions: list, cfg: ToolRolloutCon
 @BENCHES.register("vlm")
 def bench_vlm(rollouts: int = 64, model: str | None = None, vllm: bool = True) -> list[dict[str, Any]]:
     """`vllm=false` leaves the vLLM row out (it builds an engine, and vLLM allows one per process)."""
+    check_counts(rollouts=rollouts)
+    if model and not Path(model).is_dir():
+        raise ConfigError(
+            f"config error: model = {model!r} is not a directory: give a VLM checkpoint folder "
+            "(save_pretrained), or leave model out to time the shipped tiny model"
+        )
     path = Path(model) if model else SHIPPED
     if path.is_dir():
         adapter = VLMAdapter.from_pretrained(path)
