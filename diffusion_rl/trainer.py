@@ -524,8 +524,9 @@ class BranchGRPOTrainer(Trainer):
             raise ConfigError(f"config error: reward.name: {err}") from None
         except TypeError as err:
             raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
+        model_dir = resolve_model_path(cfg.model.path)
         try:
-            self.pipe = FlowPipeline.from_pretrained(resolve_model_path(cfg.model.path))
+            self.pipe = FlowPipeline.from_pretrained(model_dir)
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         self.pipe.to(self.accelerator.device)

@@ -142,6 +142,7 @@ CASES = {
             "rollout.task=Reach",
             "rollout.num_envs=1",
             "train.demos={missing}",
+            "train.demo_episodes=0",
         ],
         "train.demos",
         needs="render",

@@ -544,7 +544,8 @@ def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
     VLAPolicy(policy).save_pretrained(tmp_path / "policy")
     (root / "meta/info.json").write_text("[]")
     overrides = [f"model.path={tmp_path / 'policy'}", "rollout.task=Reach", "rollout.num_envs=1"]
-    config = load_config("vla/habc", [f"output_dir={tmp_path / 'run'}", *overrides, f"train.demos={root}"])
+    demos = [f"train.demos={root}", "train.demo_episodes=0"]  # the recipe records its own by default
+    config = load_config("vla/habc", [f"output_dir={tmp_path / 'run'}", *overrides, *demos])
     message = (
         f"^config error: train.demos = '{root}': {root}/meta/info.json holds a JSON array, not an object"
     )
