@@ -249,3 +249,11 @@ def test_bench_vla_bad_options(tmp_path):
         bench_vla(task="Stack")
     with pytest.raises(FileNotFoundError, match="not a directory"):
         bench_vla(model=str(tmp_path / "nope"))
+
+
+@needs_rendering
+def test_the_shipped_base_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    results = eval_vla(["policies=[vla_rl/assets/tiny_vla]", "episodes=2", "progress=false", "output_dir=out"])
+    (entry,) = results["policies"].values()
+    assert entry["episodes"] == 2 and (tmp_path / "out/eval_vla.json").is_file()

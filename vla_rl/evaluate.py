@@ -7,7 +7,7 @@ step); they are made with obs_mode "rgb", so the policy sees the camera image an
 `mmrl eval vla` runs several policies side by side on the same episodes and writes
 ``OUTPUT_DIR/eval_vla.json`` (and, with ``videos=K``, K GIFs per policy under ``OUTPUT_DIR/videos``):
 
-    mmrl eval vla "policies=[runs/pretrain/vla/policy,runs/vla/habc/policy]" episodes=100
+    mmrl eval vla "policies=[vla_rl/assets/tiny_vla,runs/vla/habc/policy]" episodes=100
 
 A policy directory may also be a LeRobot policy (ACT, Diffusion, ...; `vla_rl.lerobot_policy`),
 recognised by the `type` field of its config.json.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option
+from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
@@ -244,6 +244,8 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
         raise ConfigError(
             "config error: policies is empty; pass policies=[DIR,DIR,...] (VLAPolicy directories)"
         )
+    # a shipped policy (vla_rl/assets/tiny_vla) is found from any working directory
+    cfg.policies = [str(shipped_path(path)) for path in cfg.policies]
     for path in cfg.policies:
         if cfg.policies.count(path) > 1:
             raise ConfigError(f"config error: policies lists {path!r} twice; give each policy once")
