@@ -254,6 +254,8 @@ def test_bench_vla_bad_options(tmp_path):
 @needs_rendering
 def test_the_shipped_base_is_found_from_any_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    results = eval_vla(["policies=[vla_rl/assets/tiny_vla]", "episodes=2", "progress=false", "output_dir=out"])
+    results = eval_vla(
+        ["policies=[vla_rl/assets/tiny_vla]", "episodes=2", "progress=false", "output_dir=out"]
+    )
     (entry,) = results["policies"].values()
     assert entry["episodes"] == 2 and (tmp_path / "out/eval_vla.json").is_file()
