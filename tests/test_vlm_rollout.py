@@ -436,3 +436,12 @@ def test_a_missing_default_checkpoint_names_the_command_that_writes_it(tmp_path,
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=f"run `{command}` first"):
         load_policy(path)
+
+
+def test_the_default_model_is_the_shipped_base_found_from_any_working_directory(tmp_path, monkeypatch):
+    from vlm_rl.benchmarks import resolve_model
+    from vlm_rl.trainer import DEFAULT_MODEL
+
+    monkeypatch.chdir(tmp_path)
+    adapter = load_policy(DEFAULT_MODEL)
+    assert resolve_model(None).is_dir() and adapter.model.config.model_type == "qwen2_vl"
