@@ -26,6 +26,7 @@ C = TypeVar("C", bound="BaseConfig")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_ROOT = REPO_ROOT / "configs"
+SHIPPING_PACKAGES = {("diffusion_rl",), ("vlm_rl",), ("vla_rl",)}  # those with assets/ base models
 
 
 class ConfigError(ValueError):
@@ -96,11 +97,12 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def shipped_path(path: str | Path) -> Path:
-    """`path` as given when it exists (relative to the working directory), else under the repository
-    when it exists there, so that recipes name the shipped base models (``vlm_rl/assets/tiny_vlm``)
-    from any working directory; otherwise `path` unchanged, for the caller's own error."""
+    """`path` as given when it exists (relative to the working directory), else, for a path inside one
+    of the trainer packages, that file of the installed package, so that recipes name the shipped base
+    models (``vlm_rl/assets/tiny_vlm``) from any working directory; otherwise `path` unchanged, for the
+    caller's own error (a run's outputs are never looked up in the repository)."""
     given = Path(path)
-    if given.exists() or given.is_absolute():
+    if given.exists() or given.is_absolute() or given.parts[:1] not in SHIPPING_PACKAGES:
         return given
     return REPO_ROOT / given if (REPO_ROOT / given).exists() else given
 
@@ -459,7 +461,9 @@ def check_device(spec: str, key: str = "device") -> str:
             f"config error: {key} = {spec!r} does not exist on this machine ({have}): use cpu or auto"
         )
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"config error: {key} = {spec!r}: MPS is not available here; use cpu or auto")
+        raise ConfigError(
+            f"config error: {key} = {spec!r}: MPS is not available on this machine; use cpu or auto"
+        )
     if device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"config error: {key} = {spec!r}: only cpu, cuda and mps devices are supported")
     return spec

@@ -123,3 +123,13 @@ def test_every_recipe_loads_into_its_trainers_config(recipe):
         pytest.importorskip(NEEDS_EXTRA[recipe], reason=f"{recipe} needs an optional extra")
     cfg = load_config(recipe, ["output_dir=unused"])
     assert cfg.trainer and cfg.steps > 0
+
+
+def test_shipped_path_finds_package_assets_but_never_a_runs_output_in_the_repository(tmp_path, monkeypatch):
+    from mmrl.config import REPO_ROOT, shipped_path
+
+    monkeypatch.chdir(tmp_path)
+    assert shipped_path("vla_rl/assets/tiny_vla") == REPO_ROOT / "vla_rl/assets/tiny_vla"
+    assert shipped_path("runs/pretrain/vla/policy") == Path("runs/pretrain/vla/policy")
+    (tmp_path / "vla_rl/assets/tiny_vla").mkdir(parents=True)  # the working directory's own comes first
+    assert shipped_path("vla_rl/assets/tiny_vla") == Path("vla_rl/assets/tiny_vla")

@@ -13,7 +13,6 @@ from PIL import Image
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError
 from mmrl.registry import EVALUATORS
-from vlm_rl.bench import SHIPPED
 from vlm_rl.benchmarks import (
     BenchmarkRow,
     Outcome,
@@ -21,11 +20,12 @@ from vlm_rl.benchmarks import (
     extract_choice,
     hrbench_score,
     load_benchmark,
+    resolve_model,
     run_benchmark,
     score_results,
     split_options,
 )
-from vlm_rl.data import DataConfig, Question, question_text, task_vocabulary, tool_call_text
+from vlm_rl.data import Question, question_text, tool_call_text
 from vlm_rl.models import Generation, VLMAdapter
 from vlm_rl.rollout import ToolRolloutConfig
 from vlm_rl.tools import ToolStats
@@ -432,12 +432,8 @@ def test_scores_count_unanswered_and_tool_use():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    if SHIPPED.is_dir():
-        return SHIPPED
-    path = tmp_path_factory.mktemp("tiny_vlm")
-    VLMAdapter.tiny(task_vocabulary(DataConfig(), samples=20)).save_pretrained(path)
-    return path
+def tiny_model():
+    return resolve_model(None)  # the shipped base
 
 
 def test_outcomes_follow_the_conversation(tiny_model, tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ policies read what we record, and LeRobot v3.0 datasets with image features can 
     meta/episodes/chunk-000/file-000.parquet  one row per episode: its frame range and data file
     data/chunk-000/file-000.parquet           one row per frame; file-001, ... once a file is full
 
-Images: v3.0 normally encodes cameras as MP4 (videos/<key>/chunk-000/file-000.mp4), but neither PyAV
-nor ffmpeg is available here, so camera features have dtype "image": every frame is a PNG embedded in
-the data parquet as a {"bytes", "path"} struct, with the path named after LeRobot's
+Images: v3.0 normally encodes cameras as MP4 (videos/<key>/chunk-000/file-000.mp4), but neither
+PyAV nor ffmpeg is a dependency of this project, so camera features have dtype "image": every frame
+is a PNG embedded in the data parquet as a {"bytes", "path"} struct, with the path named after LeRobot's
 images/<key>/episode-XXXXXX/frame-XXXXXX.png layout. That is how LeRobot itself stores image features
 (it stages the PNGs there and embeds them), and it keeps a dataset to a few files instead of one per
 frame. Datasets with "video" features are refused with a message saying so.
@@ -29,6 +29,7 @@ import io
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -1100,8 +1101,6 @@ def expert_demonstrations(
     `root`: read when an earlier run recorded them there, else recorded now. They are recorded beside
     `root` and renamed into place, so a killed run never leaves half a dataset; a dataset that does
     not fit `required` or holds another number of episodes is a ConfigError naming `key`."""
-    import shutil
-
     root = Path(root)
     if (root / "meta" / "info.json").is_file():
         try:

@@ -10,7 +10,6 @@ differ: vLLM draws its own sampling noise).
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,12 @@ from mmrl.bench_all import check_counts
 from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
 from mmrl.registry import BENCHES
-from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary
-from vlm_rl.models import TinyVLMSpec, VLMAdapter
+from vlm_rl.benchmarks import resolve_model
+from vlm_rl.data import DataConfig, QuestionSet
+from vlm_rl.models import VLMAdapter
 from vlm_rl.rollout import ToolRolloutConfig, rollout
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
-SHIPPED = Path(__file__).parent / "assets" / "tiny_vlm"
 TARGET = 3.0
 
 
@@ -48,20 +47,14 @@ def _tokens_per_second(adapter: VLMAdapter, questions: list, cfg: ToolRolloutCon
 def bench_vlm(rollouts: int = 64, model: str | None = None, vllm: bool = True) -> list[dict[str, Any]]:
     """`vllm=false` leaves the vLLM row out (it builds an engine, and vLLM allows one per process)."""
     check_counts(rollouts=rollouts)
-    if model and not Path(model).is_dir():
+    path = resolve_model(model)
+    if not path.is_dir():
         raise ConfigError(
             f"config error: model = {model!r} is not a directory: give a VLM checkpoint folder "
             "(save_pretrained), or leave model out to time the shipped tiny model"
         )
-    path = Path(model) if model else SHIPPED
-    if path.is_dir():
-        adapter = VLMAdapter.from_pretrained(path)
-        name = str(path)
-    else:  # no trained model: an untrained one generates until its token limits, which still times the engine
-        # two heads of 32 dimensions: vLLM's CPU attention needs head sizes of at least 32
-        adapter = VLMAdapter.tiny(task_vocabulary(DataConfig()), TinyVLMSpec(heads=2, kv_heads=2))
-        name = "untrained tiny Qwen2-VL"
-        path = None
+    adapter = VLMAdapter.from_pretrained(path)
+    name = str(path)
     adapter.model.eval()
     data = QuestionSet(DataConfig(heldout_size=rollouts), "heldout")
     questions = [data[i] for i in range(rollouts)]
@@ -96,7 +89,7 @@ def bench_vlm(rollouts: int = 64, model: str | None = None, vllm: bool = True) -
 
 def _vllm_row(
     adapter: VLMAdapter,
-    path: Path | None,
+    path: Path,
     questions: list,
     cfg: ToolRolloutConfig,
     rows: list[dict[str, Any]],
@@ -106,19 +99,15 @@ def _vllm_row(
         return f"vLLM backend: not timed ({INSTALL_HINT})"
     from vlm_rl.vllm_engine import VLLMTurnGenerator
 
-    with tempfile.TemporaryDirectory() as scratch:
-        if path is None:
-            path = Path(scratch)
-            adapter.save_pretrained(path)
-        try:
-            engine = VLLMTurnGenerator(path, adapter, cfg.max_tokens, cfg.max_images, kv_cache_gib=0.5)
-        except ValueError as err:
-            return f"vLLM backend: not timed ({err})"
-        keys = [NoiseKey(0, 0, i, 0) for i in range(len(questions))]
-        rollout(adapter, questions[:4], cfg, keys[:4], engine=engine)  # warm-up
-        start = time.perf_counter()
-        trajectories = rollout(adapter, questions, cfg, keys, engine=engine)
-        seconds = time.perf_counter() - start
+    try:
+        engine = VLLMTurnGenerator(path, adapter, cfg.max_tokens, cfg.max_images, kv_cache_gib=0.5)
+    except ValueError as err:
+        return f"vLLM backend: not timed ({err})"
+    keys = [NoiseKey(0, 0, i, 0) for i in range(len(questions))]
+    rollout(adapter, questions[:4], cfg, keys[:4], engine=engine)  # warm-up
+    start = time.perf_counter()
+    trajectories = rollout(adapter, questions, cfg, keys, engine=engine)
+    seconds = time.perf_counter() - start
     tokens = sum(t.generated_tokens for t in trajectories)
     tool = sum(t.used_tool for t in trajectories) / len(trajectories)
     rate = tokens / seconds
