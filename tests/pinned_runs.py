@@ -1,0 +1,188 @@
+"""Seeded short runs of every training recipe and their fingerprints (metrics, held-out numbers and a
+hash of the final weights), pinned in tests/pinned/runs.json so that a refactor that changes what a
+recipe computes fails `tests/test_pinned_runs.py`.
+
+Re-record (only when a change of numbers is intended, and say so in the commit):
+    python tests/pinned_runs.py --record
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from mmrl.cli import load_plugins
+from mmrl.config import load_config
+from mmrl.registry import TRAINERS
+
+PINNED = Path(__file__).parent / "pinned" / "runs.json"
+
+TINY_CORE = [
+    "model.path=null",
+    "model.hidden_size=32",
+    "task.train_prompts=64",
+    "task.heldout_prompts=8",
+    "rollout.prompts_per_step=2",
+]
+TINY_DIFFUSION = ["rollout.prompts_per_step=1", "rollout.steps=6", "eval.prompts=2", "eval.steps=4"]
+TINY_VLM = [
+    "train.questions_per_step=2",
+    "train.group_size=4",
+    "data.train_size=16",
+    "data.heldout_size=4",
+    "eval_every=0",
+]
+TINY_VLA = [
+    "rollout.env_steps=48",
+    "rollout.num_envs=2",
+    "train.demo_episodes=3",
+    "train.updates=3",
+    "train.batch_size=16",
+    "critic.updates=3",
+    "critic.batch_size=32",
+    "eval.episodes=2",
+    "eval.num_envs=2",
+    "eval_every=0",
+]
+RUNS: dict[str, list[str]] = {
+    "core/tiny_grpo": TINY_CORE,
+    "core/tiny_branch_grpo": TINY_CORE,
+    "diffusion/branchgrpo": [*TINY_DIFFUSION, "rollout.split_steps=[0,2]"],
+    "diffusion/branchgrpo_fp4": [
+        *TINY_DIFFUSION,
+        "rollout.split_steps=[0,2]",
+        "explore.branch_factor=3",
+        "explore.keep=4",
+    ],
+    "diffusion/branchgrpo_mix": [*TINY_DIFFUSION, "rollout.split_steps=[0,2]"],
+    "diffusion/branchgrpo_quick": [*TINY_DIFFUSION, "rollout.split_steps=[0,1,2]", "prune.depths=[2]"],
+    "diffusion/flat_grpo": [*TINY_DIFFUSION, "rollout.branch_factor=4"],
+    "vlm/tool_grpo": TINY_VLM,
+    "vlm/tool_grpo_cost": TINY_VLM,
+    "vla/awr": TINY_VLA,
+    "vla/bc": TINY_VLA,
+    "vla/dagger": TINY_VLA,
+    "vla/grpo": [*TINY_VLA, "rollout.group_size=2"],
+    "vla/habc": TINY_VLA,
+}
+STEPS = 2
+TIMING_WORDS = ("time", "seconds", "per_s", "_sec", "elapsed", "wall")
+
+
+def weights_hash(run_dir: Path) -> str:
+    """sha256 over the final checkpoint's tensors (names, dtypes, shapes and bytes, in name order)."""
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    digest = hashlib.sha256()
+    for file in sorted(final.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name in sorted(tensors):
+            t = tensors[name].contiguous()
+            digest.update(f"{file.name}:{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _numbers(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row without timings; NaN written as the string 'nan' so that equality holds."""
+    kept = {}
+    for key, value in row.items():
+        if any(word in key for word in TIMING_WORDS):
+            continue
+        if isinstance(value, float) and math.isnan(value):
+            value = "nan"
+        kept[key] = value
+    return kept
+
+
+def fingerprint(recipe: str, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """Run `recipe` for STEPS steps with one thread into `run_dir` and return what it computed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = load_config(
+            recipe,
+            [*overrides, f"steps={STEPS}", f"checkpoint_every={STEPS}", "progress=false"]
+            + [f"output_dir={run_dir}"],
+        )
+        TRAINERS.get(config.trainer)(config).train()
+    finally:
+        torch.set_num_threads(threads)
+    metrics = [_numbers(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    return {
+        "metrics": metrics,
+        "eval": {k: _numbers(v) for k, v in evaluation.items()},
+        "weights": weights_hash(run_dir),
+    }
+
+
+def robot_loops(folder: Path) -> dict[str, Any]:
+    """What the robot episode loops compute from the shipped base: evaluation (greedy, sampled, and
+    supervised by the expert) and a recorded demonstration dataset with action noise."""
+    from mmrl.config import shipped_path
+    from vla_rl.dataset import RobotDataset, record_episodes
+    from vla_rl.evaluate import Takeover, run_episodes
+    from vla_rl.policy import VLAPolicy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = VLAPolicy.from_pretrained(shipped_path("vla_rl/assets/tiny_vla"))
+        out: dict[str, Any] = {}
+        for name, options in {
+            "greedy": {},
+            "sampled": {"deterministic": False},
+            "supervised": {"takeover": Takeover()},
+        }.items():
+            result = run_episodes(policy, "PickPlace", 4, 1_000_000, num_envs=2, progress=False, **options)
+            out[f"eval_{name}"] = {
+                "success": result.success.tolist(),
+                "steps": result.steps.tolist(),
+                "interventions": result.interventions.tolist(),
+                "expert_steps": result.expert_steps.tolist(),
+            }
+        record_episodes(
+            "PickPlace", None, 2, 5, folder / "demos", obs_mode="state+rgb", image_size=32, action_noise=0.1
+        )
+        dataset = RobotDataset(folder / "demos")
+        digest = hashlib.sha256()
+        for index in range(len(dataset.episodes)):
+            episode = dataset.episode(index)
+            for key in sorted(k for k in episode if k != "task"):
+                values = episode[key].contiguous().reshape(-1).view(torch.uint8)
+                digest.update(key.encode() + values.numpy().tobytes())
+            digest.update(episode["task"].encode())
+        out["demonstrations"] = {"frames": len(dataset), "hash": digest.hexdigest()}
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def record(names: list[str]) -> None:
+    import tempfile
+
+    load_plugins()
+    pinned = json.loads(PINNED.read_text()) if PINNED.is_file() else {}
+    if not names or "robot_loops" in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            pinned["robot_loops"] = robot_loops(Path(tmp))
+        names = [n for n in names if n != "robot_loops"] if names else list(RUNS)
+    for recipe in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            pinned[recipe] = fingerprint(recipe, RUNS[recipe], Path(tmp) / "run")
+            print(recipe, pinned[recipe]["weights"][:12], flush=True)
+    PINNED.parent.mkdir(exist_ok=True)
+    PINNED.write_text(json.dumps(dict(sorted(pinned.items())), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--record"]:
+        sys.exit(__doc__)
+    record(sys.argv[2:])

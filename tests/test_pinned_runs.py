@@ -1,0 +1,43 @@
+"""Every training recipe, and the robot episode loops, compute what tests/pinned/runs.json recorded:
+a short seeded run gives the same metrics, held-out numbers and final weights bit for bit (one thread,
+CPU). A refactor must leave these unchanged; a change of numbers that is meant re-records them
+(`python tests/pinned_runs.py --record NAME`) and says why in its commit."""
+
+import importlib.util
+import json
+
+import pytest
+from pinned_runs import PINNED, RUNS, fingerprint, robot_loops
+
+from mmrl.cli import load_plugins
+
+load_plugins()
+EXPECTED = json.loads(PINNED.read_text())
+HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
+needs_robot = pytest.mark.skipif(not HAS_ROBOT, reason="the robot extra (mujoco, gymnasium) is not installed")
+
+
+def test_every_training_recipe_is_pinned():
+    from mmrl.config import list_recipes
+
+    training = [r for r in list_recipes() if not r.startswith("pretrain/")]
+    # the *_quick recipes differ from their full recipe only in sizes the pinned runs override
+    full = sorted(r for r in training if not r.endswith("_quick") or r == "diffusion/branchgrpo_quick")
+    assert sorted(RUNS) == full
+    assert set(EXPECTED) == {*RUNS, "robot_loops"}
+
+
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=needs_robot) if r.startswith("vla/") else r for r in RUNS]
+)
+def test_recipe_computes_what_was_pinned(recipe, tmp_path):
+    got = fingerprint(recipe, RUNS[recipe], tmp_path / "run")
+    expected = EXPECTED[recipe]
+    assert got["metrics"] == expected["metrics"]
+    assert got["eval"] == expected["eval"]
+    assert got["weights"] == expected["weights"]
+
+
+@needs_robot
+def test_robot_loops_compute_what_was_pinned(tmp_path):
+    assert robot_loops(tmp_path) == EXPECTED["robot_loops"]
