@@ -140,7 +140,7 @@ class TrainConfig:
         "tree_depthwise",
         "advantage estimator: tree_depthwise, or a group one when rollout.split_steps = [0]",
         registry="advantage",
-        inputs=("group rewards", "tree node rewards"),
+        kinds=("group", "tree"),
     )
     clip_low: float = option(1e-4, "PPO ratio clip below 1 (per-step ratios are close to 1)", min=0.0)
     clip_high: float = option(1e-4, "PPO ratio clip above 1", min=0.0)

@@ -33,7 +33,7 @@ DEGENERATE_STD = 1e-6
 class Advantages(NamedTuple):
     """What every estimator returns.
 
-    values: per-sample advantages (for `awr`: per-sample regression weights), shaped like the rewards.
+    values: per-sample advantages, shaped like the rewards.
     loss_mask: bool, False for samples that must stay out of the policy loss (the `mc_grpo` pivots).
     returns: value-function targets, only from the value-based estimators (`gae`, `td1`).
     """
@@ -97,7 +97,7 @@ def _keep_all(x: Tensor) -> Tensor:
     return torch.ones_like(x, dtype=torch.bool)
 
 
-@ADVANTAGES.register("grpo", inputs="group rewards")
+@ADVANTAGES.register("grpo", kind="group")
 def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps) within each group g (population std).
 
@@ -112,7 +112,7 @@ def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     return Advantages(values.to(rewards.dtype), _keep_all(rewards))
 
 
-@ADVANTAGES.register("grpo_global_std", inputs="group rewards")
+@ADVANTAGES.register("grpo_global_std", kind="group")
 def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """Flow-GRPO: A_i = (r_i - mean_g) / (std_batch + eps), with the population std of all rewards
     of the batch, so groups with a small spread are not blown up to unit scale."""
@@ -124,7 +124,7 @@ def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Ad
     return Advantages(values.to(rewards.dtype), _keep_all(rewards))
 
 
-@ADVANTAGES.register("rloo", inputs="group rewards")
+@ADVANTAGES.register("rloo", kind="group")
 def rloo(rewards: Tensor, group_ids: Tensor) -> Advantages:
     """RLOO: A_i = r_i - mean_{j != i} r_j = (n r_i - sum_g) / (n - 1) within each group of size n.
 
@@ -148,7 +148,7 @@ def _sortable_int64(x: Tensor) -> Tensor:
     return bits ^ ((bits >> 63) & torch.iinfo(torch.int64).max)
 
 
-@ADVANTAGES.register("mc_grpo", inputs="group rewards", group_size="odd")
+@ADVANTAGES.register("mc_grpo", kind="group", group_size="odd")
 def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """MC-GRPO: median baseline over G+1 rollouts, A_i = (r_i - median_g) / (std_g + eps).
 
@@ -191,7 +191,7 @@ def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages
     return Advantages(values.to(rewards.dtype), loss_mask)
 
 
-@ADVANTAGES.register("tree_depthwise", inputs="tree node rewards")
+@ADVANTAGES.register("tree_depthwise", kind="tree")
 def tree_depthwise(
     node_rewards: Tensor, tree_ids: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
 ) -> Advantages:
@@ -221,28 +221,6 @@ def tree_depthwise(
     return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
 
 
-@ADVANTAGES.register("awr", inputs="advantages")
-def awr(
-    advantages: Tensor,
-    beta: float = 1.0,
-    max_weight: float = 20.0,
-    normalize: bool = False,
-    eps: float = 1e-6,
-) -> Advantages:
-    """Advantage-weighted regression weights w = min(exp(A / beta), max_weight), returned as `values`.
-
-    normalize=True first standardises A over the batch, (A - mean) / (std + eps), so beta is a
-    temperature in units of advantage spread. HABC's exp(beta_habc * A) is beta = 1 / beta_habc here.
-    """
-    advantages = _as_float(advantages)
-    _check_finite("advantages", advantages)
-    a = advantages.double()
-    if normalize:
-        a = (a - a.mean()) / (a.std(unbiased=False) + eps)
-    weights = torch.exp(a / beta).clamp(max=max_weight)  # exp overflow gives inf, clamped too
-    return Advantages(weights.to(advantages.dtype), _keep_all(advantages))
-
-
 def _td_residuals(
     rewards: Tensor, values: Tensor, dones: Tensor, gamma: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -259,7 +237,7 @@ def _td_residuals(
     return target - values[..., :-1], target, not_done
 
 
-@ADVANTAGES.register("gae", inputs="rewards, values and dones")
+@ADVANTAGES.register("gae", kind="temporal")
 def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam: float = 0.95) -> Advantages:
     """Generalised advantage estimation over the last (time) axis, vectorised over leading axes.
 
@@ -283,7 +261,7 @@ def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam
     return Advantages(advantages, _keep_all(rewards), returns=advantages + values[..., :-1])
 
 
-@ADVANTAGES.register("td1", inputs="rewards, values and dones")
+@ADVANTAGES.register("td1", kind="temporal")
 def td1(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99) -> Advantages:
     """One-step TD advantage A_t = r_t + gamma (1 - d_t) V_{t+1} - V_t (GAE with lam = 0), same
     shapes as `gae`; returns are the one-step targets."""

@@ -15,9 +15,10 @@ from functools import partial
 
 import torch
 
-from mmrl.advantages import awr, gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
+from mmrl.advantages import gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
 from mmrl.bench_all import check_counts, print_table
 from mmrl.config import check_device
+from mmrl.losses import awr_weights
 from mmrl.noise import NoiseKey, keyed_rand, keyed_randn, keyed_randn_batch
 from mmrl.registry import BENCHES
 
@@ -135,7 +136,7 @@ def _advantage_rows(
             f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
             lambda: tree_depthwise(node_rewards, trees, depths),
         ),
-        ("awr", f"{len(rewards):,} advantages", lambda: awr(rewards)),
+        ("awr_weights", f"{len(rewards):,} advantages", lambda: awr_weights(rewards)),
         ("gae", f"[{batch}, {horizon}] steps", lambda: gae(step_rewards, values, dones)),
         ("td1", f"[{batch}, {horizon}] steps", lambda: td1(step_rewards, values, dones)),
     ]

@@ -3,7 +3,7 @@
 A config error must stop the run before any work, in one line that names the key, the bad
 value, what is allowed and the closest valid key. Field metadata carries the allowed range:
 ``min`` / ``max`` (inclusive), ``choices``, or ``registry`` (the name of an mmrl registry whose
-entries are the allowed values) with ``inputs`` (the entries' ``inputs`` tags the trainer can feed);
+entries are the allowed values) with ``kinds`` (the kinds of entries the trainer can call);
 ``why`` explains a ``max`` in its error (a size far above any sensible value is an extra zero).
 """
 
@@ -354,12 +354,14 @@ def _check_value(dotted: str, value: Any, meta: typing.Mapping[str, Any]) -> Any
             registry = ALL_REGISTRIES[meta["registry"]]
             if v not in registry:
                 raise ConfigError(f"config error: {dotted} = {v!r}: {registry.unknown_message(str(v))}")
-            inputs = registry.tag(v, "inputs")
-            if "inputs" in meta and inputs not in meta["inputs"]:
-                fits = registry.names_tagged("inputs", meta["inputs"])
+            kind = registry.kind_of(v)
+            if "kinds" in meta and (kind is None or kind.name not in meta["kinds"]):
+                wanted = " or ".join(registry.kinds[k].describe() for k in meta["kinds"])
+                what = kind.describe() if kind is not None else f"a {registry.kind} of no declared kind"
+                fits = registry.names_of_kind(meta["kinds"])
                 raise ConfigError(
-                    f"config error: {dotted} = {v!r} takes {inputs}, but this trainer gives "
-                    f"{' or '.join(meta['inputs'])}: choose one of {', '.join(fits)}"
+                    f"config error: {dotted} = {v!r} is {what}, but this trainer needs {wanted}: "
+                    f"choose one of {', '.join(fits)}"
                 )
     return value
 

@@ -1,4 +1,8 @@
-"""Policy losses: pure functions on tensors, registered in `LOSSES`.
+"""Policy losses: pure functions on tensors. `LOSSES` holds the policy losses a trainer's `train.loss`
+can name: each is called as loss(logp, old_logp, advantages, mask, **options) and returns a
+`LossOutput`; the trainers pass ppo_clip's options (clip_low, clip_high, adv_clip and, where they
+have it, aggregation), so a new loss takes those keywords too. The KL estimates and the AWR weights
+are plain functions the trainers add or use where their method needs them.
 
 Log-probs are per sequence `[B]` or per token/step `[B, T]` with a mask `[B, T]` (True = counts);
 advantages are `[B]` (broadcast over T) or shaped like the log-probs. Masked entries never reach
@@ -7,7 +11,6 @@ the loss or its gradient, whatever values they hold.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -53,7 +56,7 @@ def aggregate_loss(
     return values.sum() / (values.shape[0] * norm_length)
 
 
-@LOSSES.register("ppo_clip")
+@LOSSES.register("ppo_clip", kind="policy")
 def ppo_clip(
     logp: Tensor,
     old_logp: Tensor,
@@ -91,7 +94,6 @@ def ppo_clip(
     return LossOutput(loss, metrics)
 
 
-@LOSSES.register("kl")
 def kl_to_reference(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     """Per-element estimate of KL(policy || reference) from samples of the policy (Schulman's k1/k2/k3).
 
@@ -117,29 +119,27 @@ def gaussian_kl_same_std(mean: Tensor, ref_mean: Tensor, std: Tensor | float) ->
     return per_dim.flatten(1).mean(dim=1) if per_dim.dim() > 1 else per_dim
 
 
-@LOSSES.register("awr")
-def awr_loss(
-    logp: Tensor, advantages: Tensor, beta: float, max_weight: float, mask: Tensor | None = None
-) -> LossOutput:
-    """Advantage-weighted regression: -E[min(exp(beta * A), max_weight) * logp], weights detached.
+def awr_weights(
+    advantages: Tensor,
+    beta: float = 1.0,
+    max_weight: float = 20.0,
+    normalize: bool = False,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Advantage-weighted regression weights w = min(exp(A / beta), max_weight), in float64 arithmetic.
 
-    As in HABC, `beta` multiplies the advantage (a larger beta is greedier); the `awr` advantage
-    estimator's temperature divides instead. The mean is over unmasked elements.
+    normalize=True first standardises A over the batch, (A - mean) / (std + eps), so beta is a
+    temperature in units of advantage spread. HABC's exp(beta_habc * A) is beta = 1 / beta_habc here.
+    Non-finite advantages raise ValueError: they would give NaN or arbitrary weights.
     """
-    if beta <= 0 or max_weight <= 0:
-        raise ValueError(f"beta and max_weight must be > 0, got {beta} and {max_weight}")
-    mask = _bool_mask(mask, logp)
-    advantages = torch.where(mask, _broadcast_advantages(advantages, logp).detach(), 0.0)
-    # exp of the clamped exponent equals the clipped weight and cannot overflow
-    weights = torch.exp((beta * advantages).clamp(max=math.log(max_weight)))
-    loss = aggregate_loss(-weights * logp, mask, "token_mean")
-    with torch.no_grad():
-        metrics = {
-            "weight_mean": _masked_mean(weights, mask),
-            "weight_max": torch.where(mask, weights, 0.0).max(),
-            "clip_fraction": _masked_mean((beta * advantages >= math.log(max_weight)).float(), mask),
-        }
-    return LossOutput(loss, metrics)
+    advantages = advantages if advantages.is_floating_point() else advantages.float()
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages contain NaN or inf")
+    a = advantages.double()
+    if normalize:
+        a = (a - a.mean()) / (a.std(unbiased=False) + eps)
+    weights = torch.exp(a / beta).clamp(max=max_weight)  # exp overflow gives inf, clamped too
+    return weights.to(advantages.dtype)
 
 
 def _bool_mask(mask: Tensor | None, like: Tensor) -> Tensor:

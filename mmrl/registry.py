@@ -7,8 +7,10 @@ Every pluggable piece of mmrl is looked up by name from a config, so each kind g
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -26,23 +28,51 @@ def closest(name: str, choices: list[str]) -> str | None:
     return found[0] if found else None
 
 
-class Registry(Generic[T]):
-    """A name -> object table with a decorator to fill it and helpful lookup errors."""
+@dataclass(frozen=True)
+class EntryKind:
+    """What an entry of one kind is called with: the names of its leading parameters, in order, and
+    a short description for error messages. A registry with kinds refuses an entry whose signature
+    does not start with its kind's parameters, so a mismatch fails at import, not at the first step."""
 
-    def __init__(self, kind: str, doc: str) -> None:
+    name: str
+    parameters: tuple[str, ...]
+    doc: str
+
+    def describe(self) -> str:
+        return f"a {self.name} {self.doc.split(':')[0]} ({', '.join(self.parameters)})"
+
+
+class Registry(Generic[T]):
+    """A name -> object table with a decorator to fill it and helpful lookup errors.
+
+    With `kinds`, every entry declares one of them at registration; config options name the kinds a
+    trainer can use (``option(..., registry="advantage", kinds=("group",))``) and validation accepts
+    only those entries."""
+
+    def __init__(self, kind: str, doc: str, kinds: tuple[EntryKind, ...] = ()) -> None:
         self.kind = kind
         self.doc = doc
+        self.kinds = {k.name: k for k in kinds}
         self._entries: dict[str, T] = {}
+        self._entry_kinds: dict[str, str] = {}
         self._tags: dict[str, dict[str, str]] = {}
         ALL_REGISTRIES[kind] = self
 
-    def register(self, name: str, **tags: str) -> Callable[[T], T]:
-        """Decorator adding an entry; `tags` describe it for config checks (e.g. an advantage
-        estimator's ``inputs``, so that a trainer can refuse one that needs other inputs)."""
+    def register(self, name: str, kind: str | None = None, **tags: str) -> Callable[[T], T]:
+        """Decorator adding an entry of `kind` (required, and checked against the entry's signature,
+        when the registry has kinds); `tags` describe it further for config checks (e.g. mc_grpo's
+        ``group_size="odd"``)."""
+        if self.kinds and kind not in self.kinds:
+            raise ValueError(
+                f"{self.kind} {name!r}: register it with kind= one of {', '.join(self.kinds)} (got {kind!r})"
+            )
 
         def add(obj: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
+            if kind is not None:
+                _check_signature(self.kind, name, obj, self.kinds[kind])
+                self._entry_kinds[name] = kind
             self._entries[name] = obj
             self._tags[name] = dict(tags)
             return obj
@@ -53,9 +83,14 @@ class Registry(Generic[T]):
         """The entry's tag `key`, or None when it has none."""
         return self._tags.get(name, {}).get(key)
 
-    def names_tagged(self, key: str, values: tuple[str, ...]) -> list[str]:
-        """Entries whose tag `key` is one of `values`."""
-        return [n for n in self.names() if self.tag(n, key) in values]
+    def kind_of(self, name: str) -> EntryKind | None:
+        """The declared kind of entry `name` (None in a registry without kinds)."""
+        kind = self._entry_kinds.get(name)
+        return self.kinds[kind] if kind is not None else None
+
+    def names_of_kind(self, kinds: tuple[str, ...]) -> list[str]:
+        """Entries of any of `kinds`."""
+        return [n for n in self.names() if self._entry_kinds.get(n) in kinds]
 
     def get(self, name: str) -> T:
         if name not in self._entries:
@@ -81,11 +116,42 @@ class Registry(Generic[T]):
         return len(self._entries)
 
 
+def _check_signature(registry: str, name: str, obj: Any, kind: EntryKind) -> None:
+    """Raise TypeError unless `obj` is called with `kind`'s parameters first, in that order."""
+    try:
+        parameters = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        parameters = []
+    if tuple(parameters[: len(kind.parameters)]) != kind.parameters:
+        raise TypeError(
+            f"{registry} {name!r} is registered as {kind.describe()}, so its first parameters must be "
+            f"({', '.join(kind.parameters)}); it takes ({', '.join(parameters)})"
+        )
+
+
 ALL_REGISTRIES: dict[str, Registry] = {}
 
-ADVANTAGES: Registry[Callable] = Registry("advantage", "advantage estimators (pure functions on tensors)")
+ADVANTAGES: Registry[Callable] = Registry(
+    "advantage",
+    "advantage estimators (pure functions on tensors, each returning `mmrl.advantages.Advantages`)",
+    kinds=(
+        EntryKind("group", ("rewards", "group_ids"), "advantage: one reward per rollout, rollouts in groups"),
+        EntryKind("tree", ("node_rewards", "tree_ids", "depths"), "advantage: fused rewards of tree nodes"),
+        EntryKind("temporal", ("rewards", "values", "dones"), "advantage: per-step rewards and values"),
+    ),
+)
 SAMPLERS: Registry[type] = Registry("sampler", "prompt/question samplers")
-LOSSES: Registry[Callable] = Registry("loss", "policy losses (pure functions on tensors)")
+LOSSES: Registry[Callable] = Registry(
+    "loss",
+    "policy losses (pure functions on tensors, each returning `mmrl.losses.LossOutput`)",
+    kinds=(
+        EntryKind(
+            "policy",
+            ("logp", "old_logp", "advantages", "mask"),
+            "loss: log-probs of the sampled actions now and at sampling, advantages, a mask",
+        ),
+    ),
+)
 PRECISIONS: Registry[Callable] = Registry("precision", "weight precisions for exploration rollouts")
 REWARDS: Registry[Callable] = Registry("reward", "reward functions")
 TRAINERS: Registry[type] = Registry("trainer", "trainers, each with its config dataclass")

@@ -87,7 +87,7 @@ class TinyGRPOTrainConfig:
         "grpo",
         "advantage estimator: a group one (flat rollouts) or tree_depthwise (any rollouts)",
         registry="advantage",
-        inputs=("group rewards", "tree node rewards"),
+        kinds=("group", "tree"),
     )
     sampler: str = option("uniform", "prompt sampler", registry="sampler")
     ppo_epochs: int = option(2, "optimisation passes over each batch of rollouts", min=1)

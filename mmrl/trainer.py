@@ -13,8 +13,9 @@ import json
 import math
 import random
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import numpy as np
 import torch
@@ -42,6 +43,15 @@ from mmrl.watch import CollectiveWatch
 class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. NaN losses in a row, NaN weights, reward server down). The trainer
     records the reason and the checkpoint to resume from in ``stopped.json``; the message says both."""
+
+
+class StepSkipped(Exception):
+    """This step's update was dropped (a non-finite loss, log-prob or gradient is data, not a crash);
+    `metrics` is what the step logs. Raised by `Trainer.skip_step`, caught by `Trainer.train`."""
+
+    def __init__(self, reason: str, metrics: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.metrics = metrics
 
 
 class Trainer:
@@ -88,6 +98,52 @@ class Trainer:
         del state
 
     # -- shared machinery ----------------------------------------------------------------------
+
+    def prepare_model_and_optimizer(
+        self,
+        model: torch.nn.Module,
+        params: Iterable[Any] | None = None,
+        *,
+        lr: float,
+        weight_decay: float = 0.01,
+        lr_factor: Callable[[int], float] | None = None,
+    ) -> None:
+        """AdamW over `params` (default: the model's; parameter groups allowed), prepared with the
+        model by Accelerate into `self.model` / `self.optimizer`, and a LambdaLR schedule from
+        `lr_factor` in `self.scheduler` (none without it). weight_decay defaults to AdamW's own."""
+        optimizer = torch.optim.AdamW(
+            model.parameters() if params is None else params, lr=lr, weight_decay=weight_decay
+        )
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if lr_factor is not None:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+
+    def optimizer_step(
+        self, loss: torch.Tensor, max_grad_norm: float = math.inf, patience: int | None = None, what: str = ""
+    ) -> torch.Tensor:
+        """One update from `loss`: zero the gradients, backward, then `apply_gradients`. With
+        `patience`, a non-finite loss skips the update first (`skip_step`); `what` names the loss in
+        that message ("actor " gives "non-finite actor loss")."""
+        if patience is not None and not self.all_finite(loss):
+            self.skip_step(f"non-finite {what}loss", patience)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backward(loss)
+        return self.apply_gradients(max_grad_norm, patience, what)
+
+    def apply_gradients(
+        self, max_grad_norm: float = math.inf, patience: int | None = None, what: str = ""
+    ) -> torch.Tensor:
+        """Clip the accumulated gradients of `self.model` to `max_grad_norm` (inf: measure only) and
+        step `self.optimizer`; return the gradient norm before clipping. With `patience`, a
+        non-finite gradient skips the update instead (`skip_step`) and a finite one ends a streak
+        of skipped updates."""
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        if patience is not None:
+            if not self.all_finite(torch.as_tensor(grad_norm)):
+                self.skip_step(f"non-finite {what}gradient", patience)
+            self.nan_streak = 0
+        self.optimizer.step()
+        return grad_norm
 
     @property
     def is_main(self) -> bool:
@@ -242,6 +298,8 @@ class Trainer:
         for step in bar:
             try:
                 metrics = self.train_step(step)
+            except StepSkipped as skipped:
+                metrics = skipped.metrics
             except TrainingStopped as stop:
                 raise TrainingStopped(self.stop(step, str(stop))) from None
             if not self.weights_finite():
@@ -290,9 +348,10 @@ class Trainer:
         tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
         return self.all_finite(*[t.to_local() if hasattr(t, "to_local") else t for t in tensors])
 
-    def skip_step(self, reason: str, patience: int) -> dict[str, Any]:
-        """Drop this step's update (a NaN loss, log-prob or gradient is data, not a crash); after
-        `patience` such steps in a row, stop the run with a checkpoint and the reason."""
+    def skip_step(self, reason: str, patience: int) -> NoReturn:
+        """Drop this step's update (a NaN loss, log-prob or gradient is data, not a crash) by raising
+        `StepSkipped`; after `patience` such steps in a row, stop the run with a checkpoint and the
+        reason (`TrainingStopped`)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.nan_streak += 1
         self.skipped_steps += 1
@@ -300,7 +359,7 @@ class Trainer:
             raise TrainingStopped(
                 f"{reason} in {self.nan_streak} steps in a row (train.nan_patience = {patience})"
             )
-        return {"loss": math.nan, "skipped": 1, "skipped_steps": self.skipped_steps}
+        raise StepSkipped(reason, {"loss": math.nan, "skipped": 1, "skipped_steps": self.skipped_steps})
 
     def stop(self, step: int, reason: str) -> str:
         """Checkpoint the last completed step (its weights are finite: the failing update was not

@@ -71,10 +71,10 @@ from torch import Tensor, nn
 
 from mmrl import advantages as _advantages  # noqa: F401  (fills the ADVANTAGES registry)
 from mmrl.config import BaseConfig, ConfigError, option, shipped_path
-from mmrl.losses import aggregate_loss
+from mmrl.losses import aggregate_loss, awr_weights
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import check_memory
-from mmrl.trainer import Trainer, warmup_cosine
+from mmrl.trainer import StepSkipped, Trainer, warmup_cosine
 from vla_rl.buffer import ReplayBuffer
 from vla_rl.dataset import (
     ACTION_KEY,
@@ -368,8 +368,8 @@ def habc_advantages(
 
 
 def advantage_weights(advantages: Tensor, beta: float, w_max: float, normalize: bool = False) -> Tensor:
-    """min(exp(beta A), w_max) through the shared `awr` estimator (whose temperature divides A)."""
-    return ADVANTAGES.get("awr")(advantages, beta=1.0 / beta, max_weight=w_max, normalize=normalize).values
+    """min(exp(beta A), w_max) through the shared `awr_weights` (whose temperature divides A)."""
+    return awr_weights(advantages, beta=1.0 / beta, max_weight=w_max, normalize=normalize)
 
 
 def executed_chunks(chunk_step: Tensor, seg_left: Tensor, horizon: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -865,17 +865,10 @@ class VLAHABCTrainer(Trainer):
     def actor_step(self, loss: Tensor) -> dict[str, float] | None:
         """Backward and step; None (the update skipped, as a NaN is data, not a crash) if not finite."""
         cfg = self.config.train
-        if not self.all_finite(loss):
-            self.skip_step("non-finite actor loss", cfg.nan_patience)
+        try:
+            grad_norm = self.optimizer_step(loss, cfg.max_grad_norm, cfg.nan_patience, what="actor ")
+        except StepSkipped:
             return None
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        if not self.all_finite(torch.as_tensor(grad_norm)):
-            self.skip_step("non-finite actor gradient", cfg.nan_patience)
-            return None
-        self.optimizer.step()
-        self.nan_streak = 0
         return {"loss": loss.item(), "grad_norm": float(grad_norm)}
 
     def update_actor(

@@ -68,7 +68,7 @@ class ToolGRPOTrainConfig:
         "grpo",
         "advantage estimator over each question's group",
         registry="advantage",
-        inputs=("group rewards",),
+        kinds=("group",),
     )
     clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0)
     clip_high: float = option(0.28, "PPO ratio clip above 1 (DAPO clip-higher)", min=0.0)
