@@ -78,7 +78,7 @@ class VLATrainConfig:
         min=0.0,
     )
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
-    nan_patience: int = option(5, "non-finite losses in a row before the run stops", min=1)
+    nan_patience: int = option(5, "non-finite losses or gradients in a row before the run stops", min=1)
 
 
 @dataclass
@@ -235,11 +235,9 @@ class VLABCTrainer(Trainer):
         self.policy.set_normalization(stats["mean"], stats["std"])
         self.frames = frame_tensors(dataset, self.policy)
         self.policy.to(self.accelerator.device)
-        optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+        self.prepare_model_and_optimizer(
+            self.policy, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, lr_factor=self.lr_factor
         )
-        self.model, self.optimizer = self.accelerator.prepare(self.policy, optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         # one stream for all processes: each takes its slice of the same draw, and resuming restores it
         self.data_generator = torch.Generator().manual_seed(cfg.seed)
 
@@ -267,13 +265,7 @@ class VLABCTrainer(Trainer):
         dist = self.model(batch)
         nll = chunk_nll(dist, batch["actions"], batch["mask"])
         loss = nll if dist.state_loss is None else nll + cfg.state_weight * dist.state_loss
-        if not self.all_finite(loss):
-            return self.skip_step("non-finite behaviour-cloning loss", cfg.nan_patience)
-        self.nan_streak = 0
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = self.optimizer_step(loss, cfg.max_grad_norm, cfg.nan_patience, what="behaviour-cloning ")
         self.scheduler.step()
         metrics = {"loss": loss.detach(), "nll": nll.detach(), "grad_norm": grad_norm}
         if dist.state_loss is not None:
