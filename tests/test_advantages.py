@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mmrl.advantages import Advantages, awr, gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
+from mmrl.advantages import Advantages, gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
 from mmrl.registry import ADVANTAGES
 
 
@@ -11,9 +11,24 @@ def group_means(values: torch.Tensor, group_ids: torch.Tensor) -> list[float]:
     return [values[group_ids == g].double().mean().item() for g in group_ids.unique()]
 
 
-def test_every_estimator_is_registered_and_returns_advantages():
-    names = ["awr", "gae", "grpo", "grpo_global_std", "mc_grpo", "rloo", "td1", "tree_depthwise"]
-    assert all(name in ADVANTAGES for name in names)
+def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
+    kinds = {
+        "gae": "temporal",
+        "td1": "temporal",
+        "grpo": "group",
+        "grpo_global_std": "group",
+        "mc_grpo": "group",
+        "rloo": "group",
+        "tree_depthwise": "tree",
+    }
+    assert {name: ADVANTAGES.kind_of(name).name for name in ADVANTAGES.names()} == kinds
+    assert ADVANTAGES.names_of_kind(("group", "tree")) == [
+        "grpo",
+        "grpo_global_std",
+        "mc_grpo",
+        "rloo",
+        "tree_depthwise",
+    ]
     rewards, ids = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0])
     for name in ["grpo", "grpo_global_std", "mc_grpo", "rloo"]:
         out = ADVANTAGES.get(name)(rewards=rewards, group_ids=ids)
@@ -124,15 +139,6 @@ def test_tree_depthwise_zero_mean_per_tree_depth_and_clip():
     ones = torch.ones(16, dtype=torch.long)
     assert math.isclose(tree_depthwise(outlier, ones, ones).values[0].item(), math.sqrt(15), rel_tol=1e-5)
     assert tree_depthwise(outlier, ones, ones, clip=2.0).values[0].item() == 2.0
-
-
-def test_awr_weights_and_clip():
-    advantages = torch.tensor([0.0, 1.0, -2.0, 50.0, 1000.0])
-    out = awr(advantages, beta=2.0, max_weight=20.0)
-    expected = torch.tensor([1.0, math.exp(0.5), math.exp(-1.0), 20.0, 20.0])
-    torch.testing.assert_close(out.values, expected)
-    normalized = awr(torch.tensor([1.0, 3.0]), beta=1.0, normalize=True, eps=0.0).values
-    torch.testing.assert_close(normalized, torch.tensor([math.exp(-1.0), math.exp(1.0)]))
 
 
 def gae_reference(rewards, values, dones, gamma, lam):

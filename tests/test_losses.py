@@ -3,13 +3,14 @@ import math
 import pytest
 import torch
 
-from mmrl.losses import aggregate_loss, awr_loss, gaussian_kl_same_std, kl_to_reference, ppo_clip
+from mmrl.losses import aggregate_loss, awr_weights, gaussian_kl_same_std, kl_to_reference, ppo_clip
 from mmrl.registry import LOSSES
 
 
-def test_registered_names():
-    assert {"ppo_clip", "kl", "awr"} <= set(LOSSES.names())
-    assert LOSSES.get("kl") is kl_to_reference
+def test_only_policy_losses_are_registered():
+    assert "kl" not in LOSSES and "awr" not in LOSSES  # plain functions, not something train.loss can name
+    assert all(LOSSES.kind_of(name).name == "policy" for name in LOSSES.names())
+    assert LOSSES.get("ppo_clip") is ppo_clip and LOSSES.kind_of("ppo_clip").name == "policy"
 
 
 def test_ratio_one_gives_minus_mean_advantage():
@@ -142,23 +143,32 @@ def test_gaussian_kl_same_std():
     assert gaussian_kl_same_std(mean, ref_mean, per_sample_std).tolist() == pytest.approx([0.5, 1 / 8])
 
 
-def test_awr_weights_clip_and_gradient_direction():
-    logp = torch.zeros(3, requires_grad=True)
-    advantages = torch.tensor([-1.0, 0.0, 5.0])
-    out = awr_loss(logp, advantages, beta=1.0, max_weight=2.0)
-    weights = torch.tensor([math.exp(-1.0), 1.0, 2.0])  # exp(5) is clipped to 2
-    out.loss.backward()
-    assert logp.grad.tolist() == pytest.approx((-weights / 3).tolist())  # descent raises every logp
-    assert out.metrics["weight_max"].item() == pytest.approx(2.0)
-    assert out.metrics["clip_fraction"].item() == pytest.approx(1 / 3)
-    # the better action gets the larger push
-    assert logp.grad[2] < logp.grad[1] < logp.grad[0] < 0
+def test_awr_weights_values_and_clamp():
+    advantages = torch.tensor([0.0, 1.0, -2.0, 50.0, 1000.0])  # exp(1000 / 2) overflows to inf: clamped
+    weights = awr_weights(advantages, beta=2.0, max_weight=20.0)
+    expected = torch.tensor([1.0, math.exp(0.5), math.exp(-1.0), 20.0, 20.0])
+    torch.testing.assert_close(weights, expected)
+    assert weights.dtype == torch.float32
+    # a larger beta flattens the weights; the order of the advantages is kept
+    flat = awr_weights(advantages[:3], beta=10.0)
+    assert flat[1] > flat[0] > flat[2] and (flat - 1).abs().max() < (weights[:3] - 1).abs().max()
 
 
-def test_awr_beta_multiplies_and_mask():
-    logp = torch.tensor([[-1.0, -2.0], [-3.0, 100.0]])
-    advantages = torch.tensor([1.0, 2.0])
-    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
-    out = awr_loss(logp, advantages, beta=0.5, max_weight=100.0, mask=mask)
-    expected = (math.exp(0.5) * (1.0 + 2.0) + math.exp(1.0) * 3.0) / 3
-    assert out.loss.item() == pytest.approx(expected)
+def test_awr_weights_normalize_standardises_over_the_batch():
+    normalized = awr_weights(torch.tensor([1.0, 3.0]), beta=1.0, normalize=True, eps=0.0)
+    torch.testing.assert_close(normalized, torch.tensor([math.exp(-1.0), math.exp(1.0)]))
+    # scale and shift of the advantages do not change normalised weights
+    a = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(
+        awr_weights(a, normalize=True, eps=0.0), awr_weights(10 * a - 3, normalize=True, eps=0.0)
+    )
+
+
+def test_awr_weights_integer_advantages_become_float():
+    assert awr_weights(torch.tensor([0, 1])).tolist() == pytest.approx([1.0, math.e])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_awr_weights_refuse_non_finite_advantages(bad):
+    with pytest.raises(ValueError, match="advantages contain NaN or inf"):
+        awr_weights(torch.tensor([0.0, bad]))

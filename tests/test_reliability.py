@@ -86,12 +86,12 @@ def test_unreadable_or_ambiguous_yaml_is_refused(content, named, tmp_path, capsy
 @pytest.mark.parametrize(
     ("recipe", "override", "named"),
     [
-        ("core/tiny_grpo", "train.advantage=awr", "takes advantages"),
-        ("core/tiny_grpo", "train.advantage=gae", "takes rewards, values and dones"),
-        ("core/tiny_grpo", "train.advantage=td1", "takes rewards, values and dones"),
+        ("core/tiny_grpo", "train.advantage=awr", "unknown advantage 'awr'"),
+        ("core/tiny_grpo", "train.advantage=gae", "is a temporal advantage (rewards, values, dones)"),
+        ("core/tiny_grpo", "train.advantage=td1", "is a temporal advantage (rewards, values, dones)"),
         ("core/tiny_grpo", "train.advantage=mc_grpo", "odd number"),
         ("core/tiny_branch_grpo", "train.advantage=grpo", "tree_depthwise"),
-        ("diffusion/branchgrpo_quick", "train.advantage=gae", "takes rewards, values and dones"),
+        ("diffusion/branchgrpo_quick", "train.advantage=gae", "is a temporal advantage"),
         ("diffusion/branchgrpo_quick", "train.advantage=rloo", "tree_depthwise"),
     ],
 )

@@ -1,0 +1,72 @@
+"""Registry kinds: an entry declares what it is called with, registration checks its signature, and a
+config option that accepts only some kinds refuses the others in one line naming those it accepts."""
+
+import pytest
+
+from mmrl import registry
+from mmrl.cli import main
+from mmrl.registry import ADVANTAGES, LOSSES, EntryKind, Registry, UnknownNameError
+
+GROUP_OR_TREE = "grpo, grpo_global_std, mc_grpo, rloo, tree_depthwise"
+
+
+def test_an_entry_whose_signature_does_not_fit_its_kind_is_refused():
+    def swapped(group_ids, rewards):
+        return rewards
+
+    with pytest.raises(
+        TypeError, match=r"first parameters must be \(rewards, group_ids\).*group_ids, rewards"
+    ):
+        ADVANTAGES.register("test_swapped", kind="group")(swapped)
+    with pytest.raises(TypeError, match=r"\(logp, old_logp, advantages, mask\)"):
+        LOSSES.register("test_no_mask", kind="policy")(lambda logp, old_logp, advantages: logp)
+    assert "test_swapped" not in ADVANTAGES and "test_no_mask" not in LOSSES
+
+
+@pytest.mark.parametrize("kind", [None, "flat"])
+def test_an_entry_without_a_known_kind_is_refused(kind):
+    with pytest.raises(ValueError, match="register it with kind= one of group, tree, temporal"):
+        ADVANTAGES.register("test_kindless", kind=kind)
+    assert "test_kindless" not in ADVANTAGES
+
+
+def test_an_entry_that_fits_its_kind_is_looked_up_with_it(monkeypatch):
+    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})  # the test registry stays out of `mmrl list`
+    kinds = (EntryKind("pair", ("a", "b"), "thing: two inputs"), EntryKind("one", ("a",), "thing: one input"))
+    things = Registry("thing", "test entries", kinds=kinds)
+
+    @things.register("add", kind="pair")
+    def add(a, b, scale=1.0):
+        return scale * (a + b)
+
+    things.register("neg", kind="one")(lambda a: -a)
+    assert things.get("add") is add and things.get("add")(1, 2, scale=2.0) == 6.0
+    assert things.kind_of("add").name == "pair" and things.kind_of("neg").name == "one"
+    assert things.names_of_kind(("pair",)) == ["add"]
+    assert things.names_of_kind(("one", "pair")) == ["add", "neg"]
+    assert things.kind_of("add").describe() == "a pair thing (a, b)"
+    with pytest.raises(ValueError, match="already has an entry named 'add'"):
+        things.register("add", kind="pair")(add)
+
+
+def test_an_unknown_entry_names_the_closest():
+    with pytest.raises(UnknownNameError, match="unknown advantage 'gpro'.*did you mean 'grpo'"):
+        ADVANTAGES.get("gpro")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "allowed", "needs"),
+    [
+        ("core/tiny_grpo", GROUP_OR_TREE, "group advantage (rewards, group_ids) or a tree advantage"),
+        ("diffusion/branchgrpo", GROUP_OR_TREE, "group advantage (rewards, group_ids) or a tree advantage"),
+        ("vlm/tool_grpo", "grpo, grpo_global_std, mc_grpo, rloo", "group advantage (rewards, group_ids):"),
+    ],
+)
+def test_an_estimator_of_another_kind_is_refused_naming_the_allowed_ones(recipe, allowed, needs, capsys):
+    assert main(["train", recipe, "train.advantage=gae"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "train.advantage = 'gae' is a temporal advantage (rewards, values, dones)" in lines[0]
+    assert needs in lines[0]
+    assert lines[0].endswith(f"choose one of {allowed}")
