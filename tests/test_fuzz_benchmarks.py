@@ -16,7 +16,8 @@ from pathlib import Path
 from PIL import Image
 
 from mmrl.config import ConfigError
-from vlm_rl.benchmarks import IMAGE_ERRORS, IMAGE_SUFFIXES, VSTAR_CATEGORIES, Benchmark, load_benchmark
+from vlm_rl.benchmark_files import IMAGE_SUFFIXES, VSTAR_CATEGORIES, load_benchmark
+from vlm_rl.benchmark_rows import IMAGE_ERRORS, Benchmark
 
 SEED = 20240522
 HR_HEADER = ["index", "question", "answer", "category", "A", "B", "C", "D", "cycle_category", "image"]

@@ -13,21 +13,13 @@ from PIL import Image
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError
 from mmrl.registry import EVALUATORS
-from vlm_rl.benchmarks import (
-    BenchmarkRow,
-    Outcome,
-    RowResult,
-    extract_choice,
-    hrbench_score,
-    load_benchmark,
-    resolve_model,
-    run_benchmark,
-    score_results,
-    split_options,
-)
+from vlm_rl.benchmark_files import load_benchmark
+from vlm_rl.benchmark_rows import BenchmarkRow, split_options
 from vlm_rl.data import Question, question_text, tool_call_text
+from vlm_rl.eval_benchmarks import resolve_model, run_benchmark
 from vlm_rl.models import Generation, VLMAdapter
 from vlm_rl.rollout import ToolRolloutConfig
+from vlm_rl.scoring import Outcome, RowResult, extract_choice, hrbench_score, score_results
 from vlm_rl.tools import ToolStats
 
 load_plugins()

@@ -308,7 +308,7 @@ def test_bad_config_is_one_clear_error(tmp_path, capsys, override, message):
 
 
 def test_bench_vlm_compares_the_same_conversations(tmp_path, vlm, capsys):
-    from vlm_rl.bench import bench_vlm
+    from vlm_rl.speed_bench import bench_vlm
 
     vlm.save_pretrained(tmp_path)
     rows = bench_vlm(rollouts=6, model=str(tmp_path), vllm=False)
@@ -352,7 +352,8 @@ def test_nan_losses_are_skipped_then_stop_the_run_with_a_checkpoint(vlm, tmp_pat
 
 
 def test_questions_from_jsonl_files(vlm, tmp_path, capsys):
-    from vlm_rl.tasks import make_examples, write_benchmark
+    from vlm_rl.question_jsonl import write_benchmark
+    from vlm_rl.tasks import make_examples
 
     train = write_benchmark(make_examples(6, seed=1), tmp_path / "train")
     held = write_benchmark(make_examples(3, seed=1, split="heldout"), tmp_path / "held")
@@ -439,7 +440,7 @@ def test_a_missing_default_checkpoint_names_the_command_that_writes_it(tmp_path,
 
 
 def test_the_default_model_is_the_shipped_base_found_from_any_working_directory(tmp_path, monkeypatch):
-    from vlm_rl.benchmarks import resolve_model
+    from vlm_rl.eval_benchmarks import resolve_model
     from vlm_rl.trainer import DEFAULT_MODEL
 
     monkeypatch.chdir(tmp_path)

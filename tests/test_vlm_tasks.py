@@ -7,6 +7,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 
+from vlm_rl.question_jsonl import read_benchmark, read_row, write_benchmark
 from vlm_rl.tasks import (
     CATEGORIES,
     COLOURS,
@@ -17,12 +18,9 @@ from vlm_rl.tasks import (
     heldout_pairs,
     make_example,
     make_examples,
-    read_benchmark,
-    read_row,
     readability,
     region_of,
     view,
-    write_benchmark,
 )
 
 GAP = 0.03  # the least distance between two objects' boxes that the scene rules promise

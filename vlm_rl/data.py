@@ -17,6 +17,7 @@ from PIL import Image
 
 from mmrl.config import ConfigError, option
 from vlm_rl.models import IM_END, WORD, Segment, VLMAdapter
+from vlm_rl.question_jsonl import read_benchmark
 from vlm_rl.tasks import (
     COLOURS,
     LETTERS,
@@ -25,7 +26,6 @@ from vlm_rl.tasks import (
     SHAPES,
     TaskConfig,
     make_example,
-    read_benchmark,
 )
 from vlm_rl.tools import ImageStore, ToolCall
 

@@ -24,7 +24,7 @@ from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer, warmup_cosine
 from vlm_rl.data import DataConfig, Question, QuestionSet, demonstration, keyed_rng, task_vocabulary
-from vlm_rl.evaluate import evaluate_questions
+from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import TinyVLMSpec, VLMAdapter
 from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, prompt_segment
 from vlm_rl.trainer import load_policy

@@ -20,8 +20,8 @@ from mmrl.bench_all import check_counts
 from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
 from mmrl.registry import BENCHES
-from vlm_rl.benchmarks import resolve_model
 from vlm_rl.data import DataConfig, QuestionSet
+from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
 from vlm_rl.rollout import ToolRolloutConfig, rollout
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available

@@ -37,7 +37,7 @@ from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.samplers import keep_groups
 from mmrl.trainer import Trainer
 from vlm_rl.data import DataConfig, QuestionSet
-from vlm_rl.evaluate import evaluate_questions
+from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import VLMAdapter
 from vlm_rl.rollout import (
     TOOL_MODES,
