@@ -300,11 +300,56 @@ def test_vision_pre_stage_trains_the_tower_only_then_sft_can_keep_it(tmp_path):
         ("eval_modes=[auto,sometimes]", "choose one of auto, always, never"),
         ("reward.options={scheme: rank}", "unknown scheme 'rank'"),
         ("train.aggregation=sum", "train.aggregation"),
+        ("train.loss=ppo", "unknown loss 'ppo'"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path, capsys, override, message):
     assert main(["train", "vlm/tool_grpo", f"output_dir={tmp_path}", override]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_update_uses_the_policy_loss_train_loss_names(vlm, tmp_path, monkeypatch):
+    """A policy loss that is always zero, named by train.loss, gets the config's clip range and
+    leaves the weights as they were, though the groups' advantages are not zero."""
+    from mmrl.losses import LossOutput
+    from mmrl.registry import LOSSES
+    from vlm_rl.trainer import ToolGRPOTrainer
+
+    calls = []
+
+    def zero(logp, old_logp, advantages, mask, **options):
+        calls.append(options)
+        return LossOutput((logp * 0).sum(), {})
+
+    monkeypatch.setattr(LOSSES, "_entries", {**LOSSES._entries, "zero": zero})
+    monkeypatch.setattr(LOSSES, "_entry_kinds", {**LOSSES._entry_kinds, "zero": "policy"})
+    vlm.save_pretrained(tmp_path / "base")
+    config = load_config(
+        "vlm/tool_grpo",
+        [
+            f"model.path={tmp_path / 'base'}",
+            f"output_dir={tmp_path / 'run'}",
+            "progress=false",
+            "data.heldout_size=2",
+            "train.questions_per_step=1",
+            "train.group_size=4",
+            "train.loss=zero",
+            "train.clip_low=0.1",
+            "train.clip_high=0.3",
+            "rollout.max_new_tokens=4",
+        ],
+    )
+    trainer = ToolGRPOTrainer(config)
+    trainer.prepare_run_dir()
+    trainer.seed_everything()
+    trainer.setup()
+    trainer.reward_fn = lambda texts, **kwargs: torch.tensor([1.0, 1.0, 0.0, 0.0])
+    before = {k: v.clone() for k, v in trainer.adapter.model.state_dict().items()}
+    metrics = trainer.train_step(0)
+    assert metrics["trained_sequences"] == 4
+    assert calls and all(c == {"clip_low": 0.1, "clip_high": 0.3, "aggregation": "token_mean"} for c in calls)
+    after = trainer.adapter.model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_bench_vlm_compares_the_same_conversations(tmp_path, vlm, capsys):

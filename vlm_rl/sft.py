@@ -121,9 +121,13 @@ class VLMSFTTrainer(Trainer):
             {"params": rest, "lr": cfg.train.lr},
             {"params": visual, "lr": cfg.train.lr * cfg.train.vision_lr_scale},
         ]
-        optimizer = torch.optim.AdamW(groups, weight_decay=cfg.train.weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(self.adapter.model, optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
+        self.prepare_model_and_optimizer(
+            self.adapter.model,
+            groups,
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            lr_factor=self.lr_factor,
+        )
 
     def lr_factor(self, step: int) -> float:
         return warmup_cosine(step, self.config.train.warmup_steps, self.config.steps)
@@ -152,10 +156,7 @@ class VLMSFTTrainer(Trainer):
         self.adapter.model.train()
         log_probs = self.adapter.token_log_probs(batch, target, model=self.model)
         loss = -log_probs.sum() / target.sum().clamp(min=1)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = self.optimizer_step(loss, cfg.train.max_grad_norm)
         self.scheduler.step()
         return {
             "loss": loss.detach(),

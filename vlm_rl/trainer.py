@@ -10,8 +10,9 @@ One step, top to bottom in `ToolGRPOTrainer.train_step`:
    correct zoom when the question is answerable without one, a zoom wins when it is not);
 4. groups whose rewards are all equal teach nothing and are dropped (dynamic filtering); the
    sampler's posterior absorbs every group's correctness;
-5. group-normalised advantages, PPO-clip on every token the policy sampled (observation tokens are
-   masked), `train.minibatches` optimizer steps per rollout batch.
+5. group-normalised advantages (`train.advantage`), the policy loss (`train.loss`, PPO-clip by
+   default) on every token the policy sampled (observation tokens are masked), `train.minibatches`
+   optimizer steps per rollout batch.
 
 Metrics every step: reward, accuracy and tool-usage ratio (also per question kind where the data names
 kinds), accuracy with and without the tool, tool-call errors by kind, tokens per answer, how rollouts
@@ -30,9 +31,9 @@ from transformers import PretrainedConfig
 
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option, shipped_path
-from mmrl.losses import kl_to_reference, ppo_clip
+from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey
-from mmrl.registry import ADVANTAGES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
+from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.samplers import keep_groups
 from mmrl.trainer import Trainer
@@ -69,6 +70,12 @@ class ToolGRPOTrainConfig:
         "advantage estimator over each question's group",
         registry="advantage",
         kinds=("group",),
+    )
+    loss: str = option(
+        "ppo_clip",
+        "policy loss on the sampled tokens' log-probs, called with clip_low, clip_high and aggregation",
+        registry="loss",
+        kinds=("policy",),
     )
     clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0)
     clip_high: float = option(0.28, "PPO ratio clip above 1 (DAPO clip-higher)", min=0.0)
@@ -196,8 +203,8 @@ class ToolGRPOTrainer(Trainer):
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.adapter.model).requires_grad_(False)
-        optimizer = torch.optim.AdamW(self.adapter.model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-        self.model, self.optimizer = self.accelerator.prepare(self.adapter.model, optimizer)
+        self.prepare_model_and_optimizer(self.adapter.model, lr=cfg.train.lr, weight_decay=0.0)
+        self.policy_loss = LOSSES.get(cfg.train.loss)
 
     def trainer_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
@@ -277,7 +284,8 @@ class ToolGRPOTrainer(Trainer):
         return values * keep[torch.tensor(slots)].repeat_interleave(cfg.group_size).float()
 
     def optimise(self, trajectories: list[Trajectory], advantages: torch.Tensor, step: int) -> dict[str, Any]:
-        """PPO-clip on the sampled tokens, `train.minibatches` optimizer steps over a keyed shuffle."""
+        """The policy loss on the sampled tokens, `train.minibatches` optimizer steps over a keyed
+        shuffle; a non-finite loss or gradient skips the step (`Trainer.skip_step`)."""
         cfg = self.config.train
         order = torch.randperm(
             len(trajectories), generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
@@ -299,12 +307,7 @@ class ToolGRPOTrainer(Trainer):
                     weight = len(rows) / len(part)
                 self.backward(loss * weight)
                 stats.append((len(rows), metrics, float(loss.detach())))
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            if not self.all_finite(torch.as_tensor(grad_norm)):
-                return self.skip_step("non-finite gradient", cfg.nan_patience)
-            grad_norms.append(float(grad_norm))
-            self.optimizer.step()
-        self.nan_streak = 0
+            grad_norms.append(float(self.apply_gradients(cfg.max_grad_norm, cfg.nan_patience)))
         total = sum(count for count, _, _ in stats)
         merged = {k: sum(c * float(m[k]) for c, m, _ in stats) / total for k in stats[0][1]}
         return {
@@ -328,11 +331,11 @@ class ToolGRPOTrainer(Trainer):
         logp = self.adapter.token_log_probs(
             batch, mask, model=self.model, temperature=cfg.rollout.temperature
         )
-        out = ppo_clip(
+        out = self.policy_loss(
             logp,
             old,
             advantages.to(device),
-            mask=mask,
+            mask,
             clip_low=cfg.train.clip_low,
             clip_high=cfg.train.clip_high,
             aggregation=cfg.train.aggregation,

@@ -140,10 +140,10 @@ class VLMVisionTrainer(Trainer):
         self.heldout = [self.example(i, "heldout") for i in range(cfg.data.heldout_size)]
         width = self.adapter.model.config.text_config.hidden_size  # the merger projects to the LM's width
         reader = TokenReader(self.adapter.model.model.visual, width)
-        optimizer = torch.optim.AdamW(reader.parameters(), lr=cfg.train.lr)
-        self.model, self.optimizer = self.accelerator.prepare(reader, optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: warmup_cosine(step, cfg.train.warmup_steps, cfg.steps)
+        self.prepare_model_and_optimizer(
+            reader,
+            lr=cfg.train.lr,
+            lr_factor=lambda step: warmup_cosine(step, cfg.train.warmup_steps, cfg.steps),
         )
 
     def example(self, index: int, split: str) -> tuple[ImageInput, torch.Tensor, int]:
@@ -186,10 +186,7 @@ class VLMVisionTrainer(Trainer):
         self.model.train()
         logits = self.model(images)
         loss = token_loss(logits, labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.train.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = self.optimizer_step(loss, cfg.train.max_grad_norm)
         self.scheduler.step()
         shapes = torch.tensor([shape for _, _, shape in batch])
         return {
