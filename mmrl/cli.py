@@ -44,13 +44,13 @@ BUILTIN_MODULES = (
     "mmrl.precision",
     "mmrl.bench_core",
     "mmrl.bench_all",
-    "mmrl.tiny_grpo",
 )
 
 
 def load_plugins() -> None:
-    """Fill the registries: mmrl's own modules, then trainer packages that declare the
-    ``mmrl.plugins`` entry point (diffusion_rl, vlm_rl, vla_rl), so mmrl imports none of them.
+    """Fill the registries: mmrl's own modules, then the packages that declare the ``mmrl.plugins``
+    entry point (the demo trainers in mmrl.examples, diffusion_rl, vlm_rl, vla_rl), so the core imports
+    none of them.
 
     A plugin whose dependencies are missing or of other versions (ImportError) is skipped with a
     warning, so that the others still work: e.g. `mmrl eval vla` in a LeRobot venv, whose

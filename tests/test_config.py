@@ -110,7 +110,7 @@ def test_cli_prints_one_line_error_and_exits_2(capsys):
 
 
 def test_all_keys_lists_dotted_keys():
-    from mmrl.tiny_grpo import TinyGRPOConfig
+    from mmrl.examples.tiny_grpo import TinyGRPOConfig
 
     keys = all_keys(TinyGRPOConfig)
     assert "train.lr" in keys and "rollout.branch_factor" in keys and "seed" in keys

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.cli import main
 from mmrl.config import ConfigError, load_config
+from mmrl.examples.digits import TinyModelConfig, build_model
 from mmrl.registry import TRAINERS
-from mmrl.tiny_grpo import TinyModelConfig, build_model
 from mmrl.trainer import TrainingStopped
 from mmrl.watch import CollectiveWatch
 

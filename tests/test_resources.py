@@ -228,7 +228,7 @@ def setup_time_check(config):
     """The trainer's own setup-time size check, with the model its recipe starts from (or the tiny
     one its pretraining recipe builds); False for trainers that have none."""
     if config.trainer == "tiny_grpo":
-        from mmrl.tiny_grpo import check_rollout_size
+        from mmrl.examples.tiny_grpo import check_rollout_size
 
         model = Qwen2Config(hidden_size=config.model.hidden_size, num_hidden_layers=config.model.layers)
         check_rollout_size(config, model, PROCESSES, CPU)

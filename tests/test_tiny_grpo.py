@@ -7,8 +7,11 @@ import torch
 
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
+from mmrl.examples.digits import build_model
+from mmrl.examples.tiny_grpo import TinyGRPOTrainer, TinyRolloutConfig, sample_trees, scores_tree_nodes
+from mmrl.losses import LossOutput
 from mmrl.noise import NoiseKey
-from mmrl.tiny_grpo import TinyGRPOTrainer, TinyRolloutConfig, build_model, sample_trees
+from mmrl.registry import LOSSES
 
 load_plugins()
 
@@ -126,3 +129,33 @@ def test_eval_and_report_commands(tmp_path, capsys):
     assert "<img" in page and "heldout_reward" in page and "Held-out evaluation" in page
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert main(["eval", "core/tiny_grpo", *TINY, f"output_dir={tmp_path / 'empty'}"]) == 2
+
+
+def test_tree_estimators_are_recognised_by_their_kind():
+    assert scores_tree_nodes("tree_depthwise") and not scores_tree_nodes("grpo")
+    with pytest.raises(ConfigError, match=r"use a tree advantage \(tree_depthwise\)"):
+        load_config("core/tiny_branch_grpo", ["train.advantage=rloo"])
+
+
+def test_the_policy_loss_is_the_one_train_loss_names(tmp_path, monkeypatch):
+    calls = []
+
+    def frozen(logp, old_logp, advantages, mask, **options):  # no gradient signal: weights stay
+        calls.append((logp.shape, advantages.shape, mask.shape, sorted(options)))
+        return LossOutput(0.0 * logp.sum(), {})
+
+    monkeypatch.setitem(LOSSES._entries, "test_frozen", frozen)
+    monkeypatch.setitem(LOSSES._entry_kinds, "test_frozen", "policy")
+    with pytest.raises(ConfigError, match="unknown loss 'ppo'.*did you mean 'ppo_clip'"):
+        load_config("core/tiny_grpo", [*TINY, "train.loss=ppo"])
+    config = load_config("core/tiny_grpo", [*TINY, f"output_dir={tmp_path}", "train.loss=test_frozen"])
+    trainer = TinyGRPOTrainer(config)
+    trainer.prepare_run_dir()
+    trainer.setup()
+    trainer.start_run_dir()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train_step(0)
+    leaves = (4 * 16, 4)  # prompts_per_step x branch_factor answers of 4 digits
+    assert calls == [(leaves, leaves, leaves, ["adv_clip", "clip_high", "clip_low"])] * 2  # ppo_epochs
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    assert "clip_fraction" not in metrics and metrics["loss"] == 0.0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.cli import load_plugins, main
-from mmrl.tiny_grpo import TinyModelConfig, build_model
+from mmrl.examples.digits import TinyModelConfig, build_model
 from vla_rl.policy import PAD, UNK, VLAConfig, VLAPolicy
 from vlm_rl.models import VLMAdapter
 
