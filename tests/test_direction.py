@@ -25,11 +25,11 @@ def assert_direction(delta: torch.Tensor, sign: torch.Tensor) -> None:
     assert up > 0 > down, f"rewarded samples changed by {float(up):+.3g}, penalised by {float(down):+.3g}"
 
 
-# ----- tiny GRPO (mmrl/tiny_grpo.py) -------------------------------------------------------------
+# ----- tiny GRPO (mmrl/examples/tiny_grpo.py) ----------------------------------------------------
 
 
 def test_tiny_grpo_update_raises_rewarded_answers(tmp_path, monkeypatch):
-    from mmrl import tiny_grpo
+    from mmrl.examples import tiny_grpo
 
     config = load_config(
         "core/tiny_grpo",
