@@ -127,9 +127,10 @@ def robot_loops(folder: Path) -> dict[str, Any]:
     """What the robot episode loops compute from the shipped base: evaluation (greedy, sampled, and
     supervised by the expert) and a recorded demonstration dataset with action noise."""
     from mmrl.config import shipped_path
-    from vla_rl.dataset import RobotDataset, record_episodes
+    from vla_rl.dataset import RobotDataset
     from vla_rl.evaluate import Takeover, run_episodes
     from vla_rl.policy import VLAPolicy
+    from vla_rl.recording import record_episodes
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -270,7 +270,7 @@ def test_habc_per_chunk_weights_follow_the_gated_advantage(tmp_path):
     if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
         pytest.skip("the robot extra (mujoco, gymnasium) is not installed")
     from vla_rl.buffer import ReplayBuffer
-    from vla_rl.dataset import IMAGE_KEY, STATE_KEY
+    from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
     from vla_rl.habc import VLAHABCTrainer
     from vla_rl.online import Transitions
     from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary

@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from mmrl.config import ConfigError
-from vla_rl.dataset import DatasetWriter, RobotDataset
+from vla_rl.dataset import RobotDataset
+from vla_rl.lerobot_format import DatasetWriter
 
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [3]},

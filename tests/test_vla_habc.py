@@ -16,7 +16,7 @@ import sim  # noqa: E402, F401  (selects headless EGL before mujoco loads)
 from mmrl.config import ConfigError, load_config  # noqa: E402
 from sim.render import headless_rendering_error  # noqa: E402
 from vla_rl.buffer import ReplayBuffer  # noqa: E402
-from vla_rl.dataset import IMAGE_KEY, STATE_KEY, RobotDataset, record_episodes  # noqa: E402
+from vla_rl.dataset import RobotDataset  # noqa: E402
 from vla_rl.habc import (  # noqa: E402
     VLAHABCTrainer,
     advantage_weights,
@@ -32,9 +32,11 @@ from vla_rl.habc import (  # noqa: E402
     success_curve,
     viability_rewards,
 )
+from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY  # noqa: E402
 from vla_rl.online import Supervisor, Transitions  # noqa: E402
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
 from vla_rl.pretrain import frame_tensors  # noqa: E402
+from vla_rl.recording import record_episodes  # noqa: E402
 
 needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 SIZE = 32

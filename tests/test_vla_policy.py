@@ -18,10 +18,10 @@ import vla_rl.register  # noqa: E402, F401  (registers vla_bc until the entry po
 from mmrl.cli import load_plugins, main  # noqa: E402
 from mmrl.config import ConfigError, load_config  # noqa: E402
 from sim.render import headless_rendering_error  # noqa: E402
-from vla_rl.dataset import record_episodes  # noqa: E402
 from vla_rl.evaluate import wilson_interval  # noqa: E402
 from vla_rl.policy import UNK, ClippedGaussian, VLAConfig, VLAPolicy, chunk_nll, task_vocabulary  # noqa: E402
 from vla_rl.pretrain import frame_tensors, object_positions  # noqa: E402
+from vla_rl.recording import record_episodes  # noqa: E402
 
 load_plugins()
 needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")

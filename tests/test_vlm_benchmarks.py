@@ -14,7 +14,7 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError
 from mmrl.registry import EVALUATORS
 from vlm_rl.benchmark_files import load_benchmark
-from vlm_rl.benchmark_rows import BenchmarkRow, split_options
+from vlm_rl.benchmark_rows import BenchmarkRow, RowError, make_question, read_lines, split_options, utf8_text
 from vlm_rl.data import Question, question_text, tool_call_text
 from vlm_rl.eval_benchmarks import resolve_model, run_benchmark
 from vlm_rl.models import Generation, VLMAdapter
@@ -284,6 +284,43 @@ def test_missing_or_wrong_benchmark_paths_name_the_expected_format(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # MME-RealWorld and the project's jsonl
+
+
+def test_every_format_checks_its_questions_the_same_way():
+    def image():
+        raise AssertionError("a question is checked without its image")
+
+    question = make_question(" Which? ", [" red ", "blue"], " b ", image, "colour")
+    assert (question.question, question.options, question.answer, question.category) == (
+        "Which?",
+        ("red", "blue"),
+        "B",
+        "colour",
+    )
+    for text, options, answer, reason in [
+        ("  ", ["a", "b"], "A", "no question text"),
+        ("q", ["a"], "A", "at least 2 options"),
+        ("q", [str(i) for i in range(27)], "A", "at most 26"),
+        ("q", ["a", " "], "A", "an option is empty"),
+        ("q", ["a", "b"], "C", "not one of the option letters AB"),
+        ("q", ["a", "b"], "AB", "not one of the option letters AB"),
+    ]:
+        with pytest.raises(RowError, match=reason):
+            make_question(text, options, answer, image)
+
+
+def test_lines_are_numbered_from_1_with_byte_offsets_past_a_bom(tmp_path):
+    path = tmp_path / "rows.tsv"
+    path.write_bytes(b"\xef\xbb\xbfhead\r\n\nr\xc3\xa9\n\xff")
+    assert list(read_lines(path)) == [
+        (1, 3, b"head\r\n"),
+        (2, 9, b"\n"),
+        (3, 10, b"r\xc3\xa9\n"),
+        (4, 14, b"\xff"),
+    ]
+    assert utf8_text(b"r\xc3\xa9") == "ré"
+    with pytest.raises(RowError, match="not UTF-8"):
+        utf8_text(b"\xff")
 
 
 def test_mme_realworld_json(tmp_path):

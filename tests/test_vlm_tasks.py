@@ -9,6 +9,7 @@ import pytest
 
 from vlm_rl.question_jsonl import read_benchmark, read_row, write_benchmark
 from vlm_rl.tasks import (
+    BACKGROUND,
     CATEGORIES,
     COLOURS,
     LETTERS,
@@ -34,6 +35,23 @@ def pixels(example) -> np.ndarray:
 def truth(example) -> str:
     obj = example.objects[example.target]
     return obj.colour if example.category == "global_colour" else obj.shape
+
+
+def test_the_palette_is_the_one_the_shipped_base_was_trained_on():
+    """The shipped base reads these colours and shapes; changing one changes every image it sees."""
+    assert COLOURS == {
+        "red": (0.90, 0.16, 0.16),
+        "green": (0.18, 0.78, 0.22),
+        "blue": (0.20, 0.36, 0.95),
+        "yellow": (0.95, 0.88, 0.18),
+        "purple": (0.62, 0.24, 0.86),
+        "white": (0.94, 0.94, 0.94),
+    }
+    assert list(COLOURS) == ["red", "green", "blue", "yellow", "purple", "white"]  # the draw order
+    assert BACKGROUND == (0.12, 0.12, 0.12)
+    assert SHAPES == ("circle", "square", "triangle", "cross")
+    corner = np.asarray(make_example(0).image)[0, 0]
+    assert corner.tolist() == [round(255 * v) for v in BACKGROUND]
 
 
 def test_same_seed_and_index_give_the_same_example():

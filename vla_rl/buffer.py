@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-from vla_rl.dataset import ACTION_KEY, DatasetWriter
+from vla_rl.lerobot_format import ACTION_KEY, DatasetWriter
 
 KINDS = ("policy", "intervention", "failure")
 FIELDS = ("action", "reward", "is_intervention", "chunk_step")  # per-step arrays of a Segment, saved as such

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from vla_rl.buffer import KINDS, ReplayBuffer, Segment
-from vla_rl.dataset import IMAGE_KEY, STATE_KEY
+from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
 from vla_rl.policy import VLAPolicy
 
 if TYPE_CHECKING:

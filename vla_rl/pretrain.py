@@ -22,17 +22,12 @@ from tqdm.auto import tqdm
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer, warmup_cosine
-from vla_rl.dataset import (
-    ACTION_KEY,
-    IMAGE_KEY,
-    STATE_KEY,
-    RobotDataset,
-    check_dataset,
-    expert_demonstrations,
-    open_dataset,
-)
+from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.evaluate import TASK_HELP, evaluate_policy
+from vla_rl.lerobot_checks import check_dataset
+from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
 from vla_rl.policy import VLAConfig, VLAPolicy, chunk_nll, random_shift, task_vocabulary
+from vla_rl.recording import expert_demonstrations
 
 
 @dataclass

@@ -1,0 +1,156 @@
+"""Recording robot episodes as LeRobot v3.0 datasets: the scripted expert's demonstrations that
+behaviour cloning starts from, or a policy's episodes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from mmrl.config import ConfigError
+from vla_rl.dataset import RobotDataset
+from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY, DatasetWriter
+
+
+def env_attribute(env: Any, name: str) -> Any:
+    """An attribute of the env or of any of its wrappers (our tasks and SuccessAdapter set the same
+    ones), or None."""
+    return env.get_wrapper_attr(name) if env.has_wrapper_attr(name) else None
+
+
+def env_features(env: Any) -> dict[str, dict[str, Any]]:
+    """Dataset features for a sim env's "state" (and "image") observations and its actions."""
+    spaces = env.observation_space.spaces
+    if "state" not in spaces:
+        raise ValueError(
+            f"recording needs a 'state' observation (obs_mode 'state' or 'state+rgb'), got {list(spaces)}"
+        )
+    layout = env_attribute(env, "state_layout")
+    names = [f"{part}.{i}" for part, s in layout.items() for i in range(s.stop - s.start)] if layout else None
+    features = {
+        STATE_KEY: {"dtype": "float32", "shape": [spaces["state"].shape[0]], "names": names},
+        ACTION_KEY: {"dtype": "float32", "shape": list(env.action_space.shape), "names": None},
+    }
+    if "image" in spaces:
+        features[IMAGE_KEY] = {"dtype": "image", "shape": list(spaces["image"].shape), "names": None}
+    return features
+
+
+def record_episodes(
+    env: Any,
+    actor: Callable[[dict[str, np.ndarray], str], np.ndarray] | None,
+    n: int,
+    seed: int,
+    root: str | Path,
+    *,
+    obs_mode: str = "state",
+    image_size: int = 96,
+    robot_type: str | None = None,
+    frames_per_file: int = 10_000,
+    action_noise: float = 0.0,
+) -> RobotDataset:
+    """Roll out `actor` for `n` episodes (reset seeds seed, seed+1, ...) and write them as a dataset:
+    the demonstrations behaviour cloning starts from.
+
+    `env` is a sim task name ("PickPlace" or an external id such as "FetchReach-v4", made with `obs_mode`
+    and `image_size`) or an env (used as it is and not closed); `robot_type` None takes the env's.
+    `actor` None means the task's scripted expert, which acts on the privileged state; its frames are
+    marked is_intervention. Any other actor is a policy called as actor(obs, instruction) -> action, and
+    its frames are marked policy_executed.
+
+    `action_noise` > 0 executes the action plus Gaussian noise of that standard deviation (clipped to
+    the action space) but records the clean action (DART): the demonstrations then show how the actor
+    recovers from the small errors a cloned policy makes, instead of only the actor's own perfect path.
+    The noise of episode k is drawn from seed + k, so a dataset is reproducible.
+    """
+    import sim  # the robot extra: only recording needs it
+    from sim.experts import Expert, expert_for
+
+    own_env = isinstance(env, str)
+    if own_env:
+        env = sim.make(env, obs_mode=obs_mode, image_size=image_size)
+    try:
+        actor = actor if actor is not None else expert_for(env)
+        expert = actor if isinstance(actor, Expert) else None
+        features = env_features(env)
+        if not env.metadata.get("render_fps"):
+            raise ValueError("the env's metadata has no 'render_fps': a dataset needs the control rate (fps)")
+        robot_type = robot_type or env_attribute(env, "robot_type")
+        with DatasetWriter(
+            root, env.metadata["render_fps"], features, robot_type, frames_per_file=frames_per_file
+        ) as writer:
+            for k in tqdm(range(n), desc=f"recording {Path(root).name}", disable=None):
+                obs, info = env.reset(seed=seed + k)
+                noise = np.random.default_rng(seed + k)
+                done = False
+                while not done:
+                    action = expert.act(env) if expert is not None else actor(obs, info["instruction"])
+                    frame = {STATE_KEY: obs["state"], ACTION_KEY: action}
+                    if IMAGE_KEY in features:
+                        frame[IMAGE_KEY] = obs["image"]
+                    writer.add_frame(
+                        frame, is_intervention=expert is not None, policy_executed=expert is None
+                    )
+                    if action_noise > 0:
+                        action = action + noise.normal(0.0, action_noise, np.shape(action))
+                        action = np.clip(action, env.action_space.low, env.action_space.high)
+                        action = action.astype(np.float32)
+                    obs, _, terminated, truncated, info = env.step(action)
+                    done = terminated or truncated
+                writer.save_episode(info["instruction"], success=bool(info["is_success"]))
+    finally:
+        if own_env:
+            env.close()
+    return RobotDataset(root)
+
+
+def expert_demonstrations(
+    root: str | Path,
+    task: str,
+    episodes: int,
+    seed: int,
+    required: Mapping[str, tuple[int, ...]],
+    *,
+    key: str,
+    image_size: int = 96,
+    action_noise: float = 0.0,
+) -> RobotDataset:
+    """The scripted expert's `episodes` demonstrations of `task` (reset seeds seed, seed+1, ...) in
+    `root`: read when an earlier run recorded them there, else recorded now. They are recorded beside
+    `root` and renamed into place, so a killed run never leaves half a dataset; a dataset that does
+    not fit `required` or holds another number of episodes is a ConfigError naming `key`."""
+    root = Path(root)
+    if (root / "meta" / "info.json").is_file():
+        try:
+            dataset = RobotDataset(root)
+            dataset.check_features(required)
+        except ConfigError as err:
+            raise ConfigError(
+                f"config error: the demonstrations an earlier run recorded in {str(root)!r} cannot be used "
+                f"({err}): delete that folder to record them again"
+            ) from None
+        if len(dataset.episodes) != episodes:
+            raise ConfigError(
+                f"config error: {str(root)!r} holds {len(dataset.episodes)} demonstrations, {key} = "
+                f"{episodes}: use a new output_dir"
+            )
+        return dataset
+    partial = root.with_name(root.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    record_episodes(
+        task,
+        None,
+        episodes,
+        seed,
+        partial,
+        obs_mode="state+rgb",
+        image_size=image_size,
+        action_noise=action_noise,
+    )
+    os.replace(partial, root)
+    return RobotDataset(root)
