@@ -45,8 +45,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmrl.palette import BACKGROUND, COLOURS, SHAPES
-
+# RGB in [0, 1]; the prompts name the colours and shapes, the alignment scorer classifies them
+COLOURS: dict[str, tuple[float, float, float]] = {
+    "red": (0.90, 0.16, 0.16),
+    "green": (0.18, 0.78, 0.22),
+    "blue": (0.20, 0.36, 0.95),
+    "yellow": (0.95, 0.88, 0.18),
+    "purple": (0.62, 0.24, 0.86),
+    "white": (0.94, 0.94, 0.94),
+}
+BACKGROUND = (0.12, 0.12, 0.12)
+SHAPES = ("circle", "square", "triangle", "cross")
 PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "cross": "crosses"}
 COUNT_WORDS = {1: "a", 2: "two", 3: "three"}
 MAX_PROMPT_COUNT = max(COUNT_WORDS)
