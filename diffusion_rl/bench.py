@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from diffusion_rl.branch_rollout import plan_for, rollout_trees
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.shapes import vocabulary
-from diffusion_rl.trainer import BranchGRPOTrainer, plan_for, rollout_trees
+from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.bench_all import check_counts
 from mmrl.config import load_config
 from mmrl.precision import explore_precision

@@ -10,14 +10,14 @@ Node ids are 0..N-1 in creation order (root = 0), so a parent's id is always bel
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from mmrl.advantages import tree_depthwise
+from mmrl.advantages import Advantages, tree_depthwise
 
 FUSION_MODES = ("mean", "logprob_weighted")
 WIDTH_PRUNE_MODES = ("top_half_per_branch", "best_worst_quarter")
@@ -216,10 +216,24 @@ def depthwise_node_advantages(
     """BranchGRPO credit for a batch of trees: fuse leaf rewards up each tree, then normalise within
     (tree, depth). Returns A(node) for every non-root node, keyed by (tree index, node id); the edge
     parent -> node is trained with A(node)."""
+    return fused_node_advantages(trees, tree_depthwise, fusion, clip=clip)
+
+
+def fused_node_advantages(
+    trees: Sequence[RolloutTree],
+    estimator: Callable[..., Advantages],
+    fusion: str = "mean",
+    **options: Any,
+) -> dict[tuple[int, int], float]:
+    """Node credit from any tree advantage estimator (an `ADVANTAGES` entry of kind "tree", called as
+    estimator(node_rewards, tree_ids, depths, **options)): fuse leaf rewards up each tree, score every
+    node, and zero the nodes outside the estimator's loss mask. Returns A(node) for every non-root
+    node, keyed by (tree index, node id)."""
     for tree in trees:
         tree.fuse_rewards(fusion)
     batch = batch_trees(trees)
-    values = tree_depthwise(batch["rewards"], batch["tree_ids"], batch["depths"], clip=clip).values
+    result = estimator(batch["rewards"], batch["tree_ids"], batch["depths"], **options)
+    values = result.values * result.loss_mask
     return {
         (int(t), int(n)): float(a)
         for t, n, a in zip(batch["tree_ids"], batch["node_ids"], values, strict=True)

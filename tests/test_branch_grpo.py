@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 
+from diffusion_rl.branch_rollout import ancestors, plan_for, rollout_trees, step_log_probs, training_samples
 from diffusion_rl.models import FlowPipeline, TinyFlowSpec
 from diffusion_rl.sde import sde_step, shifted_sigmas
 from diffusion_rl.shapes import vocabulary
-from diffusion_rl.trainer import BranchGRPOTrainer, ancestors, kendall_tau, plan_for, rollout_trees
+from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.trainer import TrainingStopped
+from mmrl.tree import depthwise_node_advantages
 
 load_plugins()
 
@@ -145,7 +147,7 @@ def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path, monkeypatch):
     for tree in trees:
         for leaf in tree.leaves():
             tree.set_leaf_reward(leaf, float(leaf))
-    groups = trainer.training_samples(trees, trainer.node_advantages(trees, [3, 5]), 0)
+    groups = training_samples(trees, depthwise_node_advantages(trees), trainer.config.prune)
     samples = [sample for group in groups for sample in group]
     assert len(samples) == 2 * (2 * 2 + 4 * 2 + 8 * 4)
     # siblings' first steps (at splits 0, 2, 4: 1 + 2 + 4 parents per tree) share their input
@@ -274,12 +276,6 @@ def test_fp4_exploration_keeps_best_and_worst_and_replays(model_dir, tmp_path):
     assert -1.0 <= metrics["kendall_tau_lowp_vs_full"] <= 1.0
 
 
-def test_kendall_tau_known_values():
-    assert kendall_tau(torch.tensor([1.0, 2, 3]), torch.tensor([10.0, 20, 30])) == 1.0
-    assert kendall_tau(torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1])) == -1.0
-    assert kendall_tau(torch.tensor([1.0, 2, 3, 4]), torch.tensor([1.0, 2, 4, 3])) == pytest.approx(4 / 6)
-
-
 def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monkeypatch):
     config = load_config(
         "diffusion/branchgrpo",
@@ -300,15 +296,15 @@ def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monke
         ],
     )
     trainer = BranchGRPOTrainer(config)
-    original = BranchGRPOTrainer.recompute
+    original = step_log_probs
     calls = {"n": 0}
 
-    def poisoned(self, *args):
+    def poisoned(*args):
         calls["n"] += 1
-        out = original(self, *args)
+        out = original(*args)
         return out._replace(log_prob=out.log_prob * float("nan")) if calls["n"] > 1 else out
 
-    monkeypatch.setattr(BranchGRPOTrainer, "recompute", poisoned)
+    monkeypatch.setattr("diffusion_rl.trainer.step_log_probs", poisoned)
     monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
     with pytest.raises(TrainingStopped, match="2 steps in a row"):
         trainer.train()
