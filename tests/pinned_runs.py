@@ -128,9 +128,10 @@ def robot_loops(folder: Path) -> dict[str, Any]:
     supervised by the expert) and a recorded demonstration dataset with action noise."""
     from mmrl.config import shipped_path
     from vla_rl.dataset import RobotDataset
-    from vla_rl.evaluate import Takeover, run_episodes
+    from vla_rl.evaluate import run_episodes
     from vla_rl.policy import VLAPolicy
     from vla_rl.recording import record_episodes
+    from vla_rl.supervisor import TakeoverRule
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -140,7 +141,7 @@ def robot_loops(folder: Path) -> dict[str, Any]:
         for name, options in {
             "greedy": {},
             "sampled": {"deterministic": False},
-            "supervised": {"takeover": Takeover()},
+            "supervised": {"takeover": TakeoverRule(0.5, 10, patience=3)},
         }.items():
             result = run_episodes(policy, "PickPlace", 4, 1_000_000, num_envs=2, progress=False, **options)
             out[f"eval_{name}"] = {

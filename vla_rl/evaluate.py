@@ -13,13 +13,14 @@ A policy directory may also be a LeRobot policy (ACT, Diffusion, ...; `vla_rl.le
 recognised by the `type` field of its config.json.
 
 With ``interventions=true`` the task's scripted expert supervises every episode and takes over when
-the policy strays, by this rule (a fixed evaluation rule, not necessarily the one a trainer uses):
-at every step the expert's action for the current privileged state is computed; when the RMS
-difference between the policy's action and the expert's (over the 5 action entries, each in [-1, 1])
-exceeds `takeover_threshold` for `takeover_patience` consecutive policy steps, the expert executes
-the next `takeover_steps` actions (starting with the step that triggered it), then hands back and
-the policy predicts a fresh chunk. One hand-over counts as one intervention; success is then success
-*with* help, and the intervention counts say how much help was needed.
+the policy strays, by the evaluation rule of `vla_rl.supervisor` (not necessarily the one a trainer
+uses): when the RMS difference between the policy's action and the expert's (over the 5 action entries,
+each in [-1, 1]) exceeds `takeover_threshold` for `takeover_patience` consecutive policy steps, the
+expert executes the next `takeover_steps` actions (starting with the step that triggered it), then
+hands back and the policy predicts a fresh chunk; `takeover_release_guard=true` also stops a release
+of the gripper that drops the object away from its goal. One hand-over counts as one intervention;
+success is then success *with* help, and the intervention counts say how much help was needed.
+Episodes run through the shared episode loop (`vla_rl.episodes`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ from tqdm.auto import tqdm
 
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
+from vla_rl.episodes import PolicyActs, Progress, Recorder, Step, evaluating
+from vla_rl.episodes import run_episodes as run_lockstep
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
+from vla_rl.supervisor import TakeoverRule
 
 VIDEO_FPS = 10  # the sim's control rate
 EXPERT_BORDER = (220, 30, 30)  # GIF frames that follow an expert action get a red border
@@ -61,15 +65,6 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 @dataclass
-class Takeover:
-    """The expert-takeover rule of the module docstring."""
-
-    threshold: float = 0.5  # RMS action difference that counts as straying
-    patience: int = 3  # consecutive straying policy steps before the expert takes over
-    steps: int = 10  # actions the expert executes per takeover
-
-
-@dataclass
 class Episodes:
     """Per-episode outcomes of `run_episodes`, indexed by episode (reset seed = seed + index)."""
 
@@ -82,6 +77,41 @@ class Episodes:
     # episode -> (frames, whether the expert chose the action that led to each frame)
 
 
+class VideoFrames(Recorder):
+    """Front-camera frames of the first `count` episodes: the reset frame, then one per step, each with
+    whether the expert chose the action that led to it."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.count, self.size = count, size
+        self.videos: dict[int, tuple[list[np.ndarray], list[bool]]] = {}
+        self.cameras: dict[int, Any] = {}  # id(env) -> its CameraRenderer
+
+    def begin(self, k: int, env: Any, obs: Any, info: Any) -> None:
+        self._frame(k, env, False)
+
+    def step(self, k: int, env: Any, step: Step) -> None:
+        self._frame(k, env, step.by_expert)
+
+    def _frame(self, k: int, env: Any, by_expert: bool) -> None:
+        if k >= self.count:
+            return
+        from sim.env import ArmEnv
+        from sim.render import CameraRenderer
+
+        frames, flags = self.videos.setdefault(k, ([], []))
+        if isinstance(env.unwrapped, ArmEnv):
+            if id(env) not in self.cameras:
+                self.cameras[id(env)] = CameraRenderer(env.unwrapped.model, "front", self.size, self.size)
+            frames.append(self.cameras[id(env)].render(env.unwrapped.data).copy())
+        else:  # an external task has no "front" camera: its own render, the policy's view
+            frames.append(np.asarray(env.render()).copy())
+        flags.append(by_expert)
+
+    def close(self) -> None:
+        for camera in self.cameras.values():
+            camera.close()
+
+
 def run_episodes(
     policy: VLAPolicy | LeRobotPolicy,
     task: str,
@@ -91,7 +121,7 @@ def run_episodes(
     num_envs: int = 8,
     deterministic: bool = True,
     progress: bool = True,
-    takeover: Takeover | None = None,
+    takeover: TakeoverRule | None = None,
     videos: int = 0,
     video_size: int = 128,
 ) -> Episodes:
@@ -102,83 +132,37 @@ def run_episodes(
     """
     import sim  # the robot extra: only rollouts need it
     from sim.experts import expert_for
-    from sim.render import CameraRenderer
 
-    width = min(num_envs, episodes)
-    envs = [sim.make(task, obs_mode="rgb", image_size=policy.config.image_size) for _ in range(width)]
-    expert = expert_for(task) if takeover is not None else None
-    cameras: dict[int, CameraRenderer] = {}
-    generator = torch.Generator().manual_seed(seed)
-    was_training = policy.training
-    policy.eval()
-    out = Episodes(
-        seeds=[seed + k for k in range(episodes)],
-        success=np.zeros(episodes, dtype=bool),
-        steps=np.zeros(episodes, dtype=np.int64),
-        interventions=np.zeros(episodes, dtype=np.int64),
-        expert_steps=np.zeros(episodes, dtype=np.int64),
-    )
-
-    def record(j: int, k: int, by_expert: bool | None) -> None:
-        if k >= videos:
-            return
-        frames, flags = out.videos.setdefault(k, ([], []))
-        if isinstance(envs[j].unwrapped, sim.ArmEnv):
-            if j not in cameras:
-                cameras[j] = CameraRenderer(envs[j].unwrapped.model, "front", video_size, video_size)
-            frames.append(cameras[j].render(envs[j].unwrapped.data).copy())
-        else:  # an external task has no "front" camera: its own render, the policy's view
-            frames.append(np.asarray(envs[j].render()).copy())
-        flags.append(bool(by_expert))
-
+    envs = [
+        sim.make(task, obs_mode="rgb", image_size=policy.config.image_size)
+        for _ in range(min(num_envs, episodes))
+    ]
+    controller = PolicyActs(policy, deterministic, torch.Generator().manual_seed(seed))
+    frames = VideoFrames(videos, video_size)
     bar = tqdm(total=episodes, desc=f"eval {task}", disable=not progress, dynamic_ncols=True, leave=False)
     try:
-        for first in range(0, episodes, width):
-            ids = list(range(first, min(first + width, episodes)))
-            resets = [envs[j].reset(seed=seed + k) for j, k in enumerate(ids)]
-            obs = [o for o, _ in resets]
-            instructions = [info["instruction"] for _, info in resets]
-            for j, k in enumerate(ids):
-                record(j, k, None)
-            active = np.ones(len(ids), dtype=bool)
-            straying = np.zeros(len(ids), dtype=np.int64)  # consecutive straying policy steps
-            expert_left = np.zeros(len(ids), dtype=np.int64)  # actions left in the current takeover
-            policy.reset()
-            while active.any():
-                batch = {key: np.stack([o[key] for o in obs]) for key in obs[0]}
-                actions = policy.act(batch, instructions, deterministic=deterministic, generator=generator)
-                for j in np.flatnonzero(active):
-                    k = ids[j]
-                    action, by_expert = actions[j], False
-                    if expert is not None and takeover is not None:
-                        expert_action = expert(envs[j].get_wrapper_attr("get_state")())
-                        if expert_left[j] == 0:
-                            rms = float(np.sqrt(np.mean((action - expert_action) ** 2)))
-                            straying[j] = straying[j] + 1 if rms > takeover.threshold else 0
-                            if straying[j] >= takeover.patience:
-                                out.interventions[k] += 1
-                                expert_left[j], straying[j] = takeover.steps, 0
-                        if expert_left[j] > 0:
-                            action, by_expert = expert_action, True
-                            out.expert_steps[k] += 1
-                            expert_left[j] -= 1
-                            if expert_left[j] == 0:
-                                policy.reset([j])  # hand back: the policy predicts a fresh chunk
-                    obs[j], _, terminated, truncated, info = envs[j].step(action)
-                    out.steps[k] += 1
-                    record(j, k, by_expert)
-                    if terminated or truncated:
-                        active[j] = False
-                        out.success[k] = bool(info["is_success"])
-                        bar.update(1)
+        with evaluating(policy):
+            outcomes = run_lockstep(
+                envs,
+                [seed + k for k in range(episodes)],
+                controller,
+                expert=expert_for(task) if takeover is not None else None,
+                takeover=takeover,
+                recorders=[frames, Progress(bar)],
+            )
     finally:
         bar.close()
-        for camera in cameras.values():
-            camera.close()
+        frames.close()
         for env in envs:
             env.close()
-        policy.train(was_training)
-    return out
+    return Episodes(
+        seeds=[o.seed for o in outcomes],
+        success=np.array([o.success for o in outcomes], dtype=bool),
+        steps=np.array([o.steps for o in outcomes], dtype=np.int64),
+        interventions=np.array([o.interventions for o in outcomes], dtype=np.int64),
+        expert_steps=np.array([o.expert_steps for o in outcomes], dtype=np.int64),
+        videos=frames.videos,
+    )
 
 
 def evaluate_policy(
@@ -231,6 +215,11 @@ class VLAPoliciesEvalConfig:
     )
     takeover_patience: int = option(3, "consecutive straying steps before the expert takes over", min=1)
     takeover_steps: int = option(10, "actions the expert executes per takeover", min=1)
+    takeover_release_guard: bool = option(
+        False,
+        "the expert also takes over before the policy opens the gripper where that drops the held object "
+        "away from its goal (PickPlace)",
+    )
     videos: int = option(0, "GIFs of the first K episodes per policy (OUTPUT_DIR/videos)", min=0)
     video_size: int = option(128, "side of the GIF frames in pixels (front camera)", min=16)
     progress: bool = option(True, "show progress bars")
@@ -329,7 +318,12 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
     """Run every policy on the same seeded episodes; write eval_vla.json (and GIFs) to output_dir."""
     task = check_config(cfg)
     takeover = (
-        Takeover(cfg.takeover_threshold, cfg.takeover_patience, cfg.takeover_steps)
+        TakeoverRule(
+            cfg.takeover_threshold,
+            cfg.takeover_steps,
+            patience=cfg.takeover_patience,
+            release_guard=cfg.takeover_release_guard,
+        )
         if cfg.interventions
         else None
     )
@@ -340,7 +334,14 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "deterministic": cfg.deterministic,
         "interventions": cfg.interventions,
-        "takeover": vars(takeover) if takeover else None,
+        "takeover": {
+            "threshold": takeover.threshold,
+            "patience": takeover.patience,
+            "steps": takeover.takeover_steps,
+            "release_guard": takeover.release_guard,
+        }
+        if takeover
+        else None,
         "policies": {},
     }
     reference: np.ndarray | None = None
