@@ -12,6 +12,7 @@ from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
+from mmrl.registry import SAMPLERS
 from mmrl.trainer import TrainingStopped
 from mmrl.tree import depthwise_node_advantages
 
@@ -274,6 +275,50 @@ def test_fp4_exploration_keeps_best_and_worst_and_replays(model_dir, tmp_path):
     assert metrics["leaves_per_prompt"] == 4
     assert metrics["explore_nfe"] > metrics["nfe"]
     assert -1.0 <= metrics["kendall_tau_lowp_vs_full"] <= 1.0
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.names())
+def test_every_sampler_trains_two_steps(model_dir, tmp_path, monkeypatch, sampler):
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    small = ["rollout.steps=4", "rollout.split_steps=[0,2]", "steps=2", "checkpoint_every=2"]
+    trainer = trainer_for(model_dir, tmp_path, f"train.sampler={sampler}", *small)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["trained_steps"] > 0 for row in rows)
+    assert trainer.checkpoint_dir.joinpath("step_00000002").is_dir()
+
+
+def test_samplers_learn_from_every_prompts_leaf_rewards(model_dir, tmp_path):
+    """4 leaves per prompt; the first prompt's leaves all succeed, the second's succeed once."""
+    small = ["rollout.steps=4", "rollout.split_steps=[0,2]"]
+    thompson = trainer_for(model_dir, tmp_path / "a", "train.sampler=beta_thompson", *small)
+    filtered = trainer_for(model_dir, tmp_path / "b", "train.sampler=dynamic_filter", *small)
+    for trainer in (thompson, filtered):
+        trainer.reward_fn = lambda images, prompts: torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+        trainer.train_step(0)
+    sampler = thompson.sampler
+    drawn = [i for i in range(sampler.num_items) if sampler.alpha[i] + sampler.beta[i] != 2.0]
+    assert len(drawn) == 2 and all(float(sampler.alpha[i] + sampler.beta[i]) == 6.0 for i in drawn)
+    assert sorted(float(sampler.alpha[i]) - 1.0 for i in drawn) == [1.0, 4.0]
+    # the dynamic filter drops the group whose rewards are all equal
+    assert (filtered.sampler.groups_seen, filtered.sampler.groups_dropped) == (2, 1)
+
+
+def test_prompts_the_sampler_does_not_keep_get_no_credit(model_dir, tmp_path, monkeypatch):
+    trainer = trainer_for(model_dir, tmp_path, "rollout.steps=4", "rollout.split_steps=[0,2]")
+    trainer.sampler.update = lambda indices, rewards, groups: torch.tensor([True, False])
+    seen = {}
+
+    def spy(trees, advantages, prune):
+        seen["advantages"] = advantages
+        return training_samples(trees, advantages, prune)
+
+    monkeypatch.setattr("diffusion_rl.trainer.training_samples", spy)
+    trainer.train_step(0)
+    kept = [a for (t, _), a in seen["advantages"].items() if t == 0]
+    dropped = [a for (t, _), a in seen["advantages"].items() if t == 1]
+    assert len(kept) == len(dropped) == 6
+    assert any(a != 0.0 for a in kept) and all(a == 0.0 for a in dropped)
 
 
 def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monkeypatch):
