@@ -16,6 +16,7 @@ import torch
 from mmrl.config import ConfigError
 from vla_rl.buffer import KINDS, ReplayBuffer
 from vla_rl.dataset import RobotDataset, open_dataset
+from vla_rl.episodes import Controller
 from vla_rl.lerobot_checks import check_dataset
 from vla_rl.lerobot_format import DatasetWriter
 from vla_rl.recording import record_episodes
@@ -713,11 +714,12 @@ def test_record_with_images_and_with_a_policy(tmp_path):
     assert torch.equal(ds[0]["observation.image"], torch.from_numpy(obs["image"]).permute(2, 0, 1))
     env.close()
 
-    def still(obs, instruction):
-        assert instruction.startswith("move the gripper")
-        return np.zeros(5, np.float32)
+    class Still(Controller):
+        def propose(self, obs, instructions, rows):
+            assert all(text.startswith("move the gripper") for text in instructions)
+            return np.zeros((len(obs), 5), np.float32)
 
-    ds = record_episodes("Reach", still, n=1, seed=0, root=tmp_path / "policy")
+    ds = record_episodes("Reach", Still(), n=1, seed=0, root=tmp_path / "policy")
     assert len(ds) == 50 and ds.episodes[0]["source"] == "policy" and not ds.episodes[0]["success"]
     assert ds[0]["policy_executed"] and not ds[0]["is_intervention"]
 

@@ -1,11 +1,12 @@
-"""Recording robot episodes as LeRobot v3.0 datasets: the scripted expert's demonstrations that
-behaviour cloning starts from, or a policy's episodes."""
+"""Recording robot episodes as LeRobot v3.0 datasets (`vla_rl.lerobot_format`): the scripted expert's
+demonstrations that behaviour cloning starts from, or a policy's episodes, through the shared episode
+loop (`vla_rl.episodes`) with a recorder that writes its frames."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from tqdm import tqdm
 
 from mmrl.config import ConfigError
 from vla_rl.dataset import RobotDataset
+from vla_rl.episodes import Controller, Outcome, Progress, Recorder, Step, run_episodes
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY, DatasetWriter
+from vla_rl.supervisor import TakeoverRule
 
 
 def env_attribute(env: Any, name: str) -> Any:
@@ -41,9 +44,36 @@ def env_features(env: Any) -> dict[str, dict[str, Any]]:
     return features
 
 
+class DatasetFrames(Recorder):
+    """Each step as a dataset frame: the observation the action was chosen at and the chosen action (the
+    clean one under action noise), marked by who chose it. Episodes are saved in episode order, however
+    the envs' episodes interleave."""
+
+    def __init__(self, writer: DatasetWriter) -> None:
+        self.writer = writer
+        self.frames: dict[int, list[tuple[dict[str, np.ndarray], bool]]] = {}
+        self.ended: dict[int, Outcome] = {}
+        self.next = 0  # the next episode to save
+
+    def step(self, k: int, env: Any, step: Step) -> None:
+        frame = {STATE_KEY: step.obs["state"], ACTION_KEY: step.action}
+        if IMAGE_KEY in self.writer.user_features:
+            frame[IMAGE_KEY] = step.obs["image"]
+        self.frames.setdefault(k, []).append((frame, step.by_expert))
+
+    def end(self, k: int, outcome: Outcome) -> None:
+        self.ended[k] = outcome
+        while self.next in self.ended:
+            for frame, by_expert in self.frames.pop(self.next):
+                self.writer.add_frame(frame, is_intervention=by_expert, policy_executed=not by_expert)
+            done = self.ended.pop(self.next)
+            self.writer.save_episode(done.instruction, success=done.success)
+            self.next += 1
+
+
 def record_episodes(
     env: Any,
-    actor: Callable[[dict[str, np.ndarray], str], np.ndarray] | None,
+    controller: Controller | None,
     n: int,
     seed: int,
     root: str | Path,
@@ -53,15 +83,17 @@ def record_episodes(
     robot_type: str | None = None,
     frames_per_file: int = 10_000,
     action_noise: float = 0.0,
+    takeover: TakeoverRule | None = None,
 ) -> RobotDataset:
-    """Roll out `actor` for `n` episodes (reset seeds seed, seed+1, ...) and write them as a dataset:
-    the demonstrations behaviour cloning starts from.
+    """Run `n` episodes (reset seeds seed, seed+1, ...) through the episode loop (`vla_rl.episodes`) and
+    write them as a dataset: the demonstrations behaviour cloning starts from.
 
     `env` is a sim task name ("PickPlace" or an external id such as "FetchReach-v4", made with `obs_mode`
     and `image_size`) or an env (used as it is and not closed); `robot_type` None takes the env's.
-    `actor` None means the task's scripted expert, which acts on the privileged state; its frames are
-    marked is_intervention. Any other actor is a policy called as actor(obs, instruction) -> action, and
-    its frames are marked policy_executed.
+    `controller` None means the task's scripted expert, which acts on the privileged state; its frames
+    are marked is_intervention. A controller (e.g. `PolicyActs(policy)`) proposes a policy's actions,
+    marked policy_executed; with `takeover` the scripted expert supervises it, and the frames it drove
+    are marked is_intervention.
 
     `action_noise` > 0 executes the action plus Gaussian noise of that standard deviation (clipped to
     the action space) but records the clean action (DART): the demonstrations then show how the actor
@@ -69,40 +101,32 @@ def record_episodes(
     The noise of episode k is drawn from seed + k, so a dataset is reproducible.
     """
     import sim  # the robot extra: only recording needs it
-    from sim.experts import Expert, expert_for
+    from sim.experts import expert_for
 
     own_env = isinstance(env, str)
     if own_env:
         env = sim.make(env, obs_mode=obs_mode, image_size=image_size)
     try:
-        actor = actor if actor is not None else expert_for(env)
-        expert = actor if isinstance(actor, Expert) else None
         features = env_features(env)
         if not env.metadata.get("render_fps"):
             raise ValueError("the env's metadata has no 'render_fps': a dataset needs the control rate (fps)")
         robot_type = robot_type or env_attribute(env, "robot_type")
-        with DatasetWriter(
-            root, env.metadata["render_fps"], features, robot_type, frames_per_file=frames_per_file
-        ) as writer:
-            for k in tqdm(range(n), desc=f"recording {Path(root).name}", disable=None):
-                obs, info = env.reset(seed=seed + k)
-                noise = np.random.default_rng(seed + k)
-                done = False
-                while not done:
-                    action = expert.act(env) if expert is not None else actor(obs, info["instruction"])
-                    frame = {STATE_KEY: obs["state"], ACTION_KEY: action}
-                    if IMAGE_KEY in features:
-                        frame[IMAGE_KEY] = obs["image"]
-                    writer.add_frame(
-                        frame, is_intervention=expert is not None, policy_executed=expert is None
-                    )
-                    if action_noise > 0:
-                        action = action + noise.normal(0.0, action_noise, np.shape(action))
-                        action = np.clip(action, env.action_space.low, env.action_space.high)
-                        action = action.astype(np.float32)
-                    obs, _, terminated, truncated, info = env.step(action)
-                    done = terminated or truncated
-                writer.save_episode(info["instruction"], success=bool(info["is_success"]))
+        expert = expert_for(env) if controller is None or takeover is not None else None
+        with (
+            DatasetWriter(
+                root, env.metadata["render_fps"], features, robot_type, frames_per_file=frames_per_file
+            ) as writer,
+            tqdm(total=n, desc=f"recording {Path(root).name}", disable=None) as bar,
+        ):
+            run_episodes(
+                [env],
+                [seed + k for k in range(n)],
+                controller,
+                expert=expert,
+                takeover=takeover,
+                action_noise=action_noise,
+                recorders=[DatasetFrames(writer), Progress(bar)],
+            )
     finally:
         if own_env:
             env.close()
