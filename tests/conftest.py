@@ -1,9 +1,20 @@
-"""With the environment variable CI set (`.ci/run` sets it), a skip for something `.ci/run` installs
-fails instead: it means CI stopped exercising what the README claims, and a skip would hide that.
+"""What the tests need that a plain install may lack, said once, and the CI rule for skips.
 
-Such skips are recognised by their reason, so tests that skip for these causes use these words.
+- ``@pytest.mark.needs_robot``: skip without the robot extra (mujoco, gymnasium).
+- ``@pytest.mark.needs_rendering``: skip without MuJoCo's headless rendering (implies needs_robot).
+- ``@pytest.mark.needs_fetch``: skip without the fetch extra (gymnasium-robotics; implies needs_robot).
+- the ``rendering_error`` fixture: why MuJoCo cannot render here, or None, for a test that adapts
+  instead of skipping.
+- A module in `ROBOT_MODULES` imports the robot stack at its top, so without the extra it is skipped
+  whole before it is imported.
+
+With the environment variable CI set (`.ci/run` sets it), a skip for something `.ci/run` installs fails
+instead: it means CI stopped exercising what the README claims, and a skip would hide that. Such skips
+are recognised by the words of their reason, so tests that skip for these causes use these words.
 """
 
+import functools
+import importlib.util
 import os
 
 import pytest
@@ -17,6 +28,67 @@ CI_PROVIDES = {  # words of a skip reason -> what installs the missing piece
     "the fetch extra": "install the dev extra (it has gymnasium-robotics): `pip install -e '.[dev]'`",
     "vla_fetch_reach needs an optional extra": "install the dev extra (it has gymnasium-robotics)",
 }
+HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
+NO_ROBOT = "the robot extra (mujoco, gymnasium) is not installed"
+HAS_FETCH = HAS_ROBOT and importlib.util.find_spec("gymnasium_robotics") is not None
+NO_FETCH = "the fetch extra (gymnasium-robotics) is not installed"
+ROBOT_MODULES = frozenset(
+    {
+        "test_plugins.py",
+        "test_sim_adapters.py",
+        "test_sim_envs.py",
+        "test_sim_experts.py",
+        "test_sim_vector.py",
+        "test_vla_eval.py",
+        "test_vla_fetch.py",
+        "test_vla_habc.py",
+        "test_vla_policy.py",
+    }
+)
+
+
+@functools.cache
+def headless_rendering_error() -> str | None:
+    """Why MuJoCo cannot render camera frames here (None when it can); imports sim first, which selects
+    the headless EGL backend before mujoco loads."""
+    if not HAS_ROBOT:
+        return NO_ROBOT
+    import sim  # noqa: F401
+    from sim.render import headless_rendering_error as error
+
+    reason = error()
+    return None if reason is None else f"no headless rendering: {reason}"
+
+
+@pytest.fixture(scope="session")
+def rendering_error() -> str | None:
+    return headless_rendering_error()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"needs_robot: skipped when {NO_ROBOT}")
+    config.addinivalue_line("markers", "needs_rendering: skipped without MuJoCo's headless rendering")
+    config.addinivalue_line("markers", f"needs_fetch: skipped when {NO_FETCH}")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("needs_rendering") and (reason := headless_rendering_error()):
+        pytest.skip(reason)
+    if item.get_closest_marker("needs_robot") and not HAS_ROBOT:
+        pytest.skip(NO_ROBOT)
+    if item.get_closest_marker("needs_fetch") and not HAS_FETCH:
+        pytest.skip(NO_FETCH if HAS_ROBOT else NO_ROBOT)
+
+
+class _SkippedRobotModule(pytest.File):
+    def collect(self):
+        pytest.skip(NO_ROBOT)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if not HAS_ROBOT and module_path.name in ROBOT_MODULES:
+        return _SkippedRobotModule.from_parent(parent, path=module_path)
+    return None
 
 
 def in_ci() -> bool:

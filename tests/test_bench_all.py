@@ -1,7 +1,6 @@
 """`mmrl bench all`: every bench's ratios in one table and one JSON file, failures reported as rows,
 options passed per bench; and `mmrl bench NAME key=value` options checked against the bench."""
 
-import importlib.util
 import json
 import math
 
@@ -133,19 +132,15 @@ def test_rich_table_keeps_brackets(capsys):
     assert "[nfe_ratio]" in capsys.readouterr().out
 
 
-def test_real_small_run(monkeypatch, tmp_path):
+def test_real_small_run(monkeypatch, tmp_path, rendering_error):
     """core (and vla, when the robot extra renders here) at tiny sizes, through the real registry."""
     entries = {"all": bench_all, "core": bench_core}
     options: dict = {"core": {"repeats": 1, "n_groups": 64}}
-    if importlib.util.find_spec("mujoco") is not None:
-        import sim  # noqa: F401  (selects headless EGL before mujoco loads)
-        from sim.render import headless_rendering_error
+    if rendering_error is None:
+        from vla_rl.bench import bench_vla
 
-        if headless_rendering_error() is None:
-            from vla_rl.bench import bench_vla
-
-            entries["vla"] = bench_vla
-            options["vla"] = {"steps": 3, "num_envs": 2, "repeats": 1, "image_size": 32}
+        entries["vla"] = bench_vla
+        options["vla"] = {"steps": 3, "num_envs": 2, "repeats": 1, "image_size": 32}
     monkeypatch.setattr(BENCHES, "_entries", entries)
     table = bench_all(output=str(tmp_path / "all.json"), **options)
     assert {row["bench"] for row in table} == set(options)

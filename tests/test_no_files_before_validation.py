@@ -6,7 +6,6 @@ reward, an option of the wrong size, an output path that cannot be written) stop
 still does not, an existing one holds what it held, and the working directory stays empty."""
 
 import hashlib
-import importlib.util
 import json
 import shutil
 from collections.abc import Callable
@@ -20,8 +19,6 @@ from mmrl.config import load_config
 from mmrl.registry import TRAINERS
 
 load_plugins()
-HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
-HAS_FETCH = HAS_ROBOT and importlib.util.find_spec("gymnasium_robotics") is not None
 TINY = [  # a tiny_grpo run of a few seconds
     "model.path=null",
     "model.hidden_size=32",
@@ -31,17 +28,6 @@ TINY = [  # a tiny_grpo run of a few seconds
     "rollout.branch_factor=4",
     "progress=false",
 ]
-
-
-def rendering_error() -> str | None:
-    """Why MuJoCo cannot render camera frames here (None when it can)."""
-    if not HAS_ROBOT:
-        return "the robot extra (mujoco, gymnasium) is not installed"
-    import sim  # noqa: F401  (selects headless rendering before mujoco loads)
-    from sim.render import headless_rendering_error
-
-    error = headless_rendering_error()
-    return None if error is None else f"no headless rendering here: {error}"
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +108,7 @@ class Case:
     argv: list[str]
     expect: str
     before: Callable[[Path, Path], None] | None = None
-    needs: str | None = None  # "robot", "render" or "fetch"
+    needs: pytest.MarkDecorator | None = None  # the conftest marker of what it needs
 
 
 CASES = {
@@ -133,7 +119,9 @@ CASES = {
         ["train", "diffusion/flat_grpo", "prompt_file={missing}"], "prompt_file"
     ),
     "train-tool_grpo-model": Case(["train", "vlm/tool_grpo", "model.path={missing}"], "model.path"),
-    "train-vla_habc-model": Case(["train", "vla/habc", "model.path={missing}"], "model.path", needs="robot"),
+    "train-vla_habc-model": Case(
+        ["train", "vla/habc", "model.path={missing}"], "model.path", needs=pytest.mark.needs_robot
+    ),
     "train-vla_habc-demos": Case(
         [
             "train",
@@ -145,7 +133,7 @@ CASES = {
             "train.demo_episodes=0",
         ],
         "train.demos",
-        needs="render",
+        needs=pytest.mark.needs_rendering,
     ),
     "train-output-under-a-file": Case(
         ["train", "core/tiny_grpo", *TINY], "which is a file", out_under_a_file
@@ -172,10 +160,13 @@ CASES = {
     ),
     "pretrain-diffusion-checkpoints": Case(["pretrain", "diffusion"], "already has checkpoints", copy_run),
     "pretrain-vla": Case(
-        ["pretrain", "vla"], "demonstrations an earlier run recorded", damaged_demos, "robot"
+        ["pretrain", "vla"], "demonstrations an earlier run recorded", damaged_demos, pytest.mark.needs_robot
     ),
     "pretrain-vla_fetch_reach": Case(
-        ["pretrain", "vla_fetch_reach"], "demonstrations an earlier run recorded", damaged_demos, "fetch"
+        ["pretrain", "vla_fetch_reach"],
+        "demonstrations an earlier run recorded",
+        damaged_demos,
+        pytest.mark.needs_fetch,
     ),
     "pretrain-vlm-previous-stage": Case(
         ["pretrain", "vlm", "model.path={tmp}/runs/pretrain/vlm_read/model"], "model.path"
@@ -204,7 +195,9 @@ CASES = {
         ["eval", "diffusion", "models=[diffusion_rl/assets/tiny_flow]", "rewards=[no_such_reward]"], "rewards"
     ),
     "eval-vlm-benchmark": Case(["eval", "vlm", "benchmark={missing}"], "benchmark"),
-    "eval-vla-policy": Case(["eval", "vla", "policies=[{missing}]"], "policies", needs="robot"),
+    "eval-vla-policy": Case(
+        ["eval", "vla", "policies=[{missing}]"], "policies", needs=pytest.mark.needs_robot
+    ),
     "eval-vla-second-policy": Case(  # the first policy's episodes and video ran before the second failed
         [
             "eval",
@@ -218,7 +211,7 @@ CASES = {
         ],
         "has no config.json",
         empty_policy_dir,
-        "render",
+        pytest.mark.needs_rendering,
     ),
     # bench: no output directory but bench all's; the working directory must stay empty
     "bench-core-repeats": Case(["bench", "core", "repeats=0", "n_groups=64"], "repeats = 0"),
@@ -226,8 +219,8 @@ CASES = {
     "bench-diffusion-iterations": Case(["bench", "diffusion", "iterations=0"], "iterations = 0"),
     "bench-vlm-model": Case(["bench", "vlm", "model={missing}"], "model ="),
     "bench-vlm-rollouts": Case(["bench", "vlm", "rollouts=0"], "rollouts = 0"),
-    "bench-vla-model": Case(["bench", "vla", "model={missing}"], "model=", needs="robot"),
-    "bench-vla-steps": Case(["bench", "vla", "steps=0"], "steps = 0", needs="robot"),
+    "bench-vla-model": Case(["bench", "vla", "model={missing}"], "model=", needs=pytest.mark.needs_robot),
+    "bench-vla-steps": Case(["bench", "vla", "steps=0"], "steps = 0", needs=pytest.mark.needs_robot),
     "bench-all-section": Case(["bench", "all", "output={out}/all.json", "core.no_such_option=1"], "core."),
     "bench-all-only": Case(["bench", "all", "output={out}/all.json", "only=[no_such_bench]"], "only"),
     # report
@@ -269,24 +262,20 @@ def one_error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=case.needs or ()) for name, case in CASES.items()])
 def test_a_refused_command_leaves_the_files_as_they_were(
-    name, tmp_path, monkeypatch, capsys, finished_run, vla_policy
+    name, tmp_path, monkeypatch, capsys, finished_run, request
 ):
     case = CASES[name]
-    if case.needs == "robot" and not HAS_ROBOT:
-        pytest.skip("the robot extra (mujoco, gymnasium) is not installed")
-    if case.needs == "fetch" and not HAS_FETCH:
-        pytest.skip("the fetch extra (gymnasium-robotics) is not installed")
-    if case.needs == "render" and (reason := rendering_error()):
-        pytest.skip(reason)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)  # what a bench or a relative path might write lands here
     out = output_dir(tmp_path)
     if case.before is not None:
         case.before(tmp_path, finished_run)
-    names = {"out": out, "missing": tmp_path / "missing", "policy": vla_policy, "tmp": tmp_path}
+    names = {"out": out, "missing": tmp_path / "missing", "tmp": tmp_path}
+    if any("{policy}" in arg for arg in case.argv):
+        names["policy"] = request.getfixturevalue("vla_policy")
     argv = [arg.format(**names) for arg in case.argv]
     if argv[0] in OUTPUT_COMMANDS:
         argv.append(f"output_dir={out}")

@@ -3,7 +3,6 @@ wrong kind for each trainer, a reward server URL that is not http(s), prune dept
 and `mmrl pretrain` given a path. Each must stop before any training step with exit code 2 and one
 ``error:`` line that names the key."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,9 +17,6 @@ from vlm_rl.models import VLMAdapter
 
 load_plugins()
 REPO = Path(__file__).resolve().parent.parent
-HAS_ROBOT = (
-    importlib.util.find_spec("mujoco") is not None and importlib.util.find_spec("gymnasium") is not None
-)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +77,7 @@ def test_tool_grpo_refuses_another_model(saved, tmp_path, capsys, model, found):
     assert "model.path" in line and found in line and "not a chat VLM" in line
 
 
-@pytest.mark.skipif(not HAS_ROBOT, reason="the robot extra (mujoco, gymnasium) is not installed")
+@pytest.mark.needs_robot
 def test_vla_habc_refuses_another_model(saved, tmp_path, capsys):
     lm = saved["lm"]
     assert (lm / "config.json").is_file() and (lm / "model.safetensors").is_file()  # files habc checks for
