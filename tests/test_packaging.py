@@ -90,3 +90,48 @@ def test_ci_fails_a_skip_for_missing_rendering(ci, tmp_path):
         assert "apt-get install -y libegl1" in result.stdout and "pip install -e '.[dev]'" in result.stdout
     else:
         assert result.returncode == 0 and "2 skipped" in result.stdout, result.stdout
+
+
+MARKED = """
+import pytest
+
+
+@pytest.mark.needs_robot
+def test_robot():
+    pass
+
+
+@pytest.mark.needs_rendering
+def test_rendering():
+    pass
+
+
+@pytest.mark.needs_fetch
+def test_fetch():
+    pass
+
+
+def test_adapts(rendering_error):
+    assert rendering_error == "the robot extra (mujoco, gymnasium) is not installed"
+"""
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_without_the_robot_extra_its_tests_skip_and_ci_fails_them(ci, tmp_path):
+    """conftest's markers and robot modules on a machine without mujoco (simulated)."""
+    conftest = (ROOT / "tests" / "conftest.py").read_text()
+    assert "\nHAS_ROBOT = all(" in conftest
+    (tmp_path / "conftest.py").write_text(
+        conftest.replace("\nHAS_ROBOT = all(", "\nHAS_ROBOT = False and all(")
+    )
+    (tmp_path / "test_marked.py").write_text(MARKED)
+    (tmp_path / "test_sim_envs.py").write_text("import no_such_robot_stack\n\n\ndef test_x():\n    pass\n")
+    env = {**os.environ, "CI": ci}
+    command = [sys.executable, "-m", "pytest", "-q", "-rsE", "-p", "no:cacheprovider", str(tmp_path)]
+    command.append("--continue-on-collection-errors")
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    if ci:
+        assert result.returncode == 1 and "1 passed, 4 errors" in result.stdout, result.stdout
+        assert result.stdout.count("CI must not skip this (Skipped: the robot extra") == 4, result.stdout
+    else:
+        assert result.returncode == 0 and "1 passed, 4 skipped" in result.stdout, result.stdout
