@@ -1,34 +1,19 @@
 """Online data for HABC and its baselines: supervised rollouts and a flat view of the replay buffer.
 
-Rollouts. Environments run in lockstep with obs_mode "state+rgb": the policy sees the camera image, the
-instruction and proprioception (the first entries of the state), while the supervisor, the expert and
-the critics may read the privileged state. The policy samples an action chunk and executes its first
-`n_action_steps` actions (as `VLAPolicy.act` does) before sampling the next one; chunks are sampled
-here rather than through `act` so that every chunk's start step is known (GRPO needs it) and the chunk
-can be dropped the moment the expert takes over.
-
-Intervention rule (`Supervisor`), a stand-in for a person watching the robot: after every policy step
-the supervisor compares the executed action with what the scripted expert would do in the same state
-(RMS difference over the 5 action entries, each in [-1, 1], the unit `mmrl eval vla` uses too). When
-the mean of that gap over the last `window` policy steps exceeds `threshold` (a mean rather than
-consecutive steps, because training actions are sampled and noisy), the policy has strayed from the
-expert's plan, and the expert drives for `takeover_steps` steps, then hands control back (the policy
-samples a fresh chunk).
-The default threshold (1.0, recipes in configs/vla/) was set from the 42% BC base sampling with the
-recipes' `std_scale`: it fires in every failing episode and in 15% of the successful ones (0.6 fired in
-85% of them, so the expert drove most episodes the policy would have finished alone).
-With `release_guard`, the supervisor also looks before each policy step: a policy about to open the
-gripper where that drops what it holds away from the goal (`Expert.release_fails`) is stopped, and the
-expert drives from that step. The smooth rule above reacts too late for that: one opposite gripper entry
-moves the RMS gap by 0.9 and the cube falls in the next step.
-Independently, if the episode has not succeeded after `deadline` steps (0: never), the expert takes
-over once, for `takeover_steps` steps. At most `max_per_episode` take-overs happen per episode.
+Rollouts (`rollouts`) run through the shared episode loop (`vla_rl.episodes`). Environments run in
+lockstep with obs_mode "state+rgb": the policy sees the camera image, the instruction and
+proprioception (the first entries of the state), while the supervisor, the expert and the critics may
+read the privileged state. The policy samples an action chunk and executes its first `n_action_steps`
+actions (as `VLAPolicy.act` does) before sampling the next one; chunks are sampled by `SampledChunks`
+rather than through `act` so that every chunk's start step is known (GRPO needs it) and the chunk can
+be dropped the moment the expert takes over. The expert takes over by the training rule of
+`vla_rl.supervisor` (the recipes' `intervention.*`: the mean gap over a window, a deadline, at most
+`max_per_episode` take-overs, optionally the release guard).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +22,10 @@ import torch
 from torch import Tensor
 
 from vla_rl.buffer import KINDS, ReplayBuffer, Segment
+from vla_rl.episodes import Outcome, Recorder, SampledChunks, Step, evaluating, run_episodes
 from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
 from vla_rl.policy import VLAPolicy
+from vla_rl.supervisor import TakeoverRule
 
 if TYPE_CHECKING:
     from sim.experts import Expert
@@ -76,174 +63,74 @@ class Episode:
         return chunks
 
 
-class Supervisor:
-    """The intervention rule of the module docstring, for `n` environments at once."""
+class EpisodeArrays(Recorder):
+    """The training arrays of every episode: observations, executed actions, who chose them, and each
+    policy action's index in its sampled chunk."""
 
-    def __init__(
-        self,
-        n: int,
-        enabled: bool,
-        window: int,
-        threshold: float,
-        takeover_steps: int,
-        deadline: int,
-        max_per_episode: int,
-        release_guard: bool = False,
-    ) -> None:
-        self.enabled, self.window, self.threshold = enabled, window, threshold
-        self.release_guard = release_guard
-        self.takeover_steps, self.deadline, self.max_per_episode = takeover_steps, deadline, max_per_episode
-        self.expert_steps_left = np.zeros(n, dtype=np.int64)
-        self.count = np.zeros(n, dtype=np.int64)
-        self.deadline_used = np.zeros(n, dtype=bool)
-        self.gaps: list[deque[float]] = [deque(maxlen=window) for _ in range(n)]
+    def __init__(self) -> None:
+        self.arrays: dict[int, dict[str, list]] = {}
 
-    def reset(self, j: int) -> None:
-        """A new episode in env j: policy in control, no take-overs counted."""
-        self.expert_steps_left[j] = self.count[j] = 0
-        self.deadline_used[j] = False
-        self.gaps[j].clear()
+    def begin(self, k: int, env: Any, obs: Mapping[str, np.ndarray], info: Mapping[str, Any]) -> None:
+        self.arrays[k] = {
+            "states": [obs["state"]],
+            "images": [obs["image"]],
+            "actions": [],
+            "flags": [],
+            "chunk_steps": [],
+        }
 
-    def expert_drives(self, j: int) -> bool:
-        """Whether the expert is in control of env j now."""
-        return bool(self.expert_steps_left[j] > 0)
+    def step(self, k: int, env: Any, step: Step) -> None:
+        arrays = self.arrays[k]
+        arrays["states"].append(step.next_obs["state"])
+        arrays["images"].append(step.next_obs["image"])
+        arrays["actions"].append(step.executed)
+        arrays["flags"].append(step.by_expert)
+        arrays["chunk_steps"].append(step.chunk_index)
 
-    def vetoes(self, j: int, action: np.ndarray, release_fails: bool) -> bool:
-        """The release guard: True (the expert takes over from this very step, before the policy's action
-        runs) when the policy would open the gripper (last action entry < 0) where that loses the
-        episode (`Expert.release_fails`), as a person watching would stop the arm."""
-        if not (self.enabled and self.release_guard) or self.count[j] >= self.max_per_episode:
-            return False
-        if not (action[-1] < 0 and release_fails):
-            return False
-        self._take_over(j)
-        return True
-
-    def after_policy_step(
-        self, j: int, steps_done: int, action: np.ndarray, expert_action: np.ndarray
-    ) -> bool:
-        """Record the policy's action at a state; True when the expert takes over from the next step."""
-        if not self.enabled:
-            return False
-        gap = np.asarray(action, np.float64) - np.asarray(expert_action, np.float64)
-        self.gaps[j].append(float(np.sqrt(np.mean(gap * gap))))
-        if self.count[j] >= self.max_per_episode:
-            return False
-        strayed = len(self.gaps[j]) == self.window and float(np.mean(self.gaps[j])) > self.threshold
-        late = self.deadline > 0 and steps_done >= self.deadline and not self.deadline_used[j]
-        if not (strayed or late):
-            return False
-        self.deadline_used[j] |= late
-        self._take_over(j)
-        return True
-
-    def _take_over(self, j: int) -> None:
-        """Hand env j to the expert for `takeover_steps` steps; the gap window starts afresh after."""
-        self.count[j] += 1
-        self.expert_steps_left[j] = self.takeover_steps
-        self.gaps[j].clear()
-
-    def after_expert_step(self, j: int) -> bool:
-        """Count down a take-over; True when control goes back to the policy."""
-        self.expert_steps_left[j] -= 1
-        return self.expert_steps_left[j] == 0
+    def episode(self, k: int, outcome: Outcome, group: int) -> Episode:
+        """Episode k's arrays, with its outcome, as an `Episode` (handed over: the recorder forgets them)."""
+        arrays = self.arrays.pop(k)
+        return Episode(
+            seed=outcome.seed,
+            group=group,
+            instruction=outcome.instruction,
+            states=np.stack(arrays["states"]).astype(np.float32),
+            images=np.stack(arrays["images"]),
+            actions=np.stack(arrays["actions"]).astype(np.float32),
+            is_intervention=np.array(arrays["flags"], dtype=bool),
+            chunk_step=np.array(arrays["chunk_steps"], dtype=np.int64),
+            success=outcome.success,
+            terminated=outcome.terminated,
+            interventions=outcome.interventions,
+        )
 
 
-@torch.no_grad()
-def run_episodes(
+def rollouts(
     policy: VLAPolicy,
     envs: Sequence[Any],
     expert: Expert,
     seeds: Sequence[int],
     groups: Sequence[int],
-    supervisor: Supervisor,
+    takeover: TakeoverRule | None,
     generator: torch.Generator,
     std_scale: float = 1.0,
 ) -> list[Episode]:
-    """One episode per seed on envs[0..len(seeds)-1] in lockstep; the policy samples its chunks with
-    `generator` from its distribution with the std times `std_scale`, so a seeded generator and seeded
-    resets repeat the rollouts exactly."""
-    n = len(seeds)
-    horizon, n_exec = policy.config.horizon, policy.config.n_action_steps
-    states: list[list[np.ndarray]] = [[] for _ in range(n)]
-    images: list[list[np.ndarray]] = [[] for _ in range(n)]
-    actions: list[list[np.ndarray]] = [[] for _ in range(n)]
-    flags: list[list[bool]] = [[] for _ in range(n)]
-    chunk_steps: list[list[int]] = [[] for _ in range(n)]
-    instructions, outcome = [""] * n, [(False, False)] * n
-    queue = np.zeros((n, horizon, policy.config.action_dim), np.float32)
-    cursor = np.full(n, n_exec, dtype=np.int64)  # n_exec: the next policy step samples a new chunk
-    for j, seed in enumerate(seeds):
-        obs, info = envs[j].reset(seed=int(seed))
-        states[j].append(obs["state"])
-        images[j].append(obs["image"])
-        instructions[j] = info["instruction"]
-        supervisor.reset(j)
-    active = np.ones(n, dtype=bool)
-    guard = supervisor.enabled and supervisor.release_guard
-    was_training = policy.training
-    policy.eval()
-    try:
-        while active.any():
-            rows = np.flatnonzero(active)
-            need = [j for j in rows if not supervisor.expert_drives(j) and cursor[j] >= n_exec]
-            if need:
-                obs = {
-                    "state": np.stack([states[j][-1] for j in need]),
-                    "image": np.stack([images[j][-1] for j in need]),
-                }
-                dist = policy(policy.prepare(obs, [instructions[j] for j in need])).scaled(std_scale)
-                chunk = dist.sample(generator=generator)
-                queue[need] = chunk.float().cpu().numpy()
-                for j in need:
-                    cursor[j] = 0
-            expert_actions = expert(np.stack([states[j][-1] for j in rows]))
-            for j, expert_action in zip(rows, expert_actions, strict=True):
-                by_expert = supervisor.expert_drives(j)
-                if (  # the guard's state check runs only where the policy is about to open the gripper
-                    guard
-                    and not by_expert
-                    and queue[j, cursor[j], -1] < 0
-                    and supervisor.vetoes(j, queue[j, cursor[j]], expert.release_fails(states[j][-1]))
-                ):
-                    by_expert, cursor[j] = True, n_exec  # the rest of the chunk is dropped
-                if by_expert:
-                    action = expert_action.astype(np.float32)
-                    chunk_steps[j].append(-1)
-                else:
-                    action = queue[j, cursor[j]].copy()
-                    chunk_steps[j].append(int(cursor[j]))
-                    cursor[j] += 1
-                obs, _, terminated, truncated, info = envs[j].step(action)
-                states[j].append(obs["state"])
-                images[j].append(obs["image"])
-                actions[j].append(action)
-                flags[j].append(by_expert)
-                if terminated or truncated:
-                    active[j] = False
-                    outcome[j] = (bool(info["is_success"]), bool(terminated))
-                elif by_expert:
-                    if supervisor.after_expert_step(j):
-                        cursor[j] = n_exec
-                elif supervisor.after_policy_step(j, len(actions[j]), action, expert_action):
-                    cursor[j] = n_exec  # the expert drives from the next step: drop the chunk
-    finally:
-        policy.train(was_training)
-    return [
-        Episode(
-            seed=int(seeds[j]),
-            group=int(groups[j]),
-            instruction=instructions[j],
-            states=np.stack(states[j]).astype(np.float32),
-            images=np.stack(images[j]),
-            actions=np.stack(actions[j]).astype(np.float32),
-            is_intervention=np.array(flags[j], dtype=bool),
-            chunk_step=np.array(chunk_steps[j], dtype=np.int64),
-            success=outcome[j][0],
-            terminated=outcome[j][1],
-            interventions=int(supervisor.count[j]),
+    """One episode per seed on envs[0..len(seeds)-1] in lockstep, supervised by the expert by the
+    `takeover` rule (None: never); the policy samples its chunks with `generator` from its distribution
+    with the std times `std_scale`, so a seeded generator and seeded resets repeat the rollouts exactly."""
+    arrays = EpisodeArrays()
+    with evaluating(policy):
+        outcomes = run_episodes(
+            envs,
+            seeds,
+            SampledChunks(policy, generator, std_scale),
+            expert=expert,
+            takeover=takeover,
+            recorders=[arrays],
         )
-        for j in range(n)
+    return [
+        arrays.episode(k, outcome, int(group))
+        for k, (outcome, group) in enumerate(zip(outcomes, groups, strict=True))
     ]
 
 
