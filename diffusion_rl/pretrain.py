@@ -92,11 +92,12 @@ class DiffusionPretrainTrainer(Trainer):
         self.pipe = FlowPipeline.tiny(vocabulary(), spec, seed=cfg.seed, prediction=cfg.model.prediction)
         self.pipe.to(self.accelerator.device)
         self.ema = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)
-        optimizer = torch.optim.AdamW(self.pipe.denoiser.parameters(), lr=cfg.train.lr, weight_decay=0.0)
-        self.model, self.optimizer = self.accelerator.prepare(self.pipe.denoiser, optimizer)
         warmup = cfg.train.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: min(1.0, (i + 1) / (warmup + 1))
+        self.prepare_model_and_optimizer(
+            self.pipe.denoiser,
+            lr=cfg.train.lr,
+            weight_decay=0.0,
+            lr_factor=lambda i: min(1.0, (i + 1) / (warmup + 1)),
         )
         self.uncond = self.pipe.encode_prompts([""])
 
@@ -127,10 +128,7 @@ class DiffusionPretrainTrainer(Trainer):
         cond = self.pipe.encode_prompts(prompts)
         pred = self.pipe.velocity(x_sigma, sigma, cond, denoiser=self.model)
         loss = F.mse_loss(pred.float(), (noise - x0).float())
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
+        grad_norm = self.optimizer_step(loss, max_grad_norm=1.0)
         self.scheduler.step()
         with torch.no_grad():
             decay = min(cfg.train.ema_decay, (1 + step) / (10 + step))

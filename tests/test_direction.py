@@ -252,7 +252,7 @@ def test_tool_grpo_update_raises_the_rewarded_conversations(tmp_path, monkeypatc
     assert_direction(delta, torch.tensor([1.0, 1.0, -1.0, -1.0] * (len(trajectories) // 4)))
 
 
-# ----- HABC per-chunk actor weights (vla_rl/habc.py) ---------------------------------------------
+# ----- HABC per-chunk actor weights (vla_rl/habc.py, vla_rl/baselines.py) -----------------------
 
 
 class ScriptedCritics(torch.nn.Module):
@@ -262,29 +262,20 @@ class ScriptedCritics(torch.nn.Module):
         return torch.logit(state[:, 0].double()).float(), state[:, 1]
 
 
-def test_habc_per_chunk_weights_follow_the_gated_advantage(tmp_path):
+def test_habc_per_chunk_weights_follow_the_gated_advantage():
     """Four successful policy episodes of 4 steps, two chunks of 2 steps each. The first chunks are
     compared in pairs whose viability and efficiency advantages disagree in order: where V_v is low
     the gate is near 0 and the chunk that raises viability must weigh more; where V_v is high the gate
     is near 1 and the chunk that saves steps must weigh more."""
     if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
         pytest.skip("the robot extra (mujoco, gymnasium) is not installed")
+    from vla_rl.baselines import BUFFER_METHODS
     from vla_rl.buffer import ReplayBuffer
     from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
-    from vla_rl.habc import VLAHABCTrainer
     from vla_rl.online import Transitions
-    from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 
-    policy = VLAPolicy(VLAConfig(vocabulary=task_vocabulary(), image_size=16, channels=[4], keypoints=4,
-                                 hidden=8, horizon=4, n_action_steps=2))  # fmt: skip
-    policy.save_pretrained(tmp_path / "policy")
-    config = load_config(
-        "vla/habc",
-        [f"model.path={tmp_path / 'policy'}", f"output_dir={tmp_path / 'run'}", "train.demos=null"],
-    )
+    config = load_config("vla/habc", ["train.demos=null"])
     assert config.actor.per_chunk  # the recipes' path
-    trainer = VLAHABCTrainer(config)
-    trainer.policy, trainer.critics = policy, ScriptedCritics()
     # (V_v, u) at s_0 and at s_2, where the first chunk hands over to the second
     episodes = {
         "viability_up": ((0.10, -0.50), (0.15, -0.55)),
@@ -300,7 +291,7 @@ def test_habc_per_chunk_weights_follow_the_gated_advantage(tmp_path):
         episode = buffer.add_episode(obs, np.zeros((4, 5)), True, "reach", chunk_step=[0, 1, 0, 1])
         lengths[episode] = 4
     tr = Transitions.from_buffer(buffer, lengths)
-    weights, _, _ = trainer.habc_weights(tr)
+    weights = BUFFER_METHODS["habc"].actor(tr, ScriptedCritics(), config, horizon=4).weights
     first = {
         name: weights[(tr.state[:, 2] == number) & (tr.t == 0)].item() for number, name in enumerate(episodes)
     }

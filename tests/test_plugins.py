@@ -234,7 +234,7 @@ def test_fine_tuning_adds_the_task_words_the_policy_lacks(tmp_path, capsys):
     pytest.importorskip("gymnasium_robotics", reason="FetchReach needs the fetch extra")
     from mmrl.config import load_config
     from sim.render import headless_rendering_error
-    from vla_rl.habc import VLAHABCTrainer
+    from vla_rl.trainer import VLAHABCTrainer
 
     if headless_rendering_error() is not None:
         pytest.skip("no headless rendering")

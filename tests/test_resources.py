@@ -205,7 +205,7 @@ def test_vlm_rollouts_too_big(overrides, expected):
 
 def test_vla_environments_too_many():
     pytest.importorskip("mujoco", reason="the robot extra is not installed")
-    from vla_rl.habc import check_env_size
+    from vla_rl.config import check_env_size
 
     config = load_config("vla/habc", ["rollout.num_envs=1000", "rollout.env_steps=8000"])
     with pytest.raises(ConfigError, match=r"1008 environments \(rollout.num_envs \+ eval.num_envs\)"):
@@ -243,7 +243,7 @@ def setup_time_check(config):
         sizes = (config.data.train_size, config.data.heldout_size)
         check_rollout_size(config, tiny_vlm_config(), sizes, PROCESSES, CPU)
     elif config.trainer == "vla_habc":
-        from vla_rl.habc import check_env_size
+        from vla_rl.config import check_env_size
 
         check_env_size(config, load_config("pretrain/vla").data.image_size)
     else:

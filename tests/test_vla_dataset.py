@@ -539,8 +539,8 @@ def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
     import sim  # noqa: F401  (selects headless rendering before mujoco loads)
     from mmrl.config import load_config
     from sim.render import headless_rendering_error
-    from vla_rl.habc import VLAHABCTrainer
     from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
+    from vla_rl.trainer import VLAHABCTrainer
 
     if headless_rendering_error() is not None:
         pytest.skip("HABC renders camera frames; no headless rendering here")

@@ -18,9 +18,9 @@ pytest.importorskip(
 from mmrl.config import load_config  # noqa: E402
 from sim.experts import expert_for  # noqa: E402
 from sim.render import headless_rendering_error  # noqa: E402
-from vla_rl.habc import VLAHABCTrainer  # noqa: E402
 from vla_rl.policy import UNK, VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
 from vla_rl.pretrain import VLABCTrainer  # noqa: E402
+from vla_rl.trainer import VLAHABCTrainer  # noqa: E402
 
 needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 TASK = "FetchReach-v4"

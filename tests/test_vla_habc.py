@@ -16,20 +16,21 @@ import sim  # noqa: E402, F401  (selects headless EGL before mujoco loads)
 from mmrl.config import ConfigError, load_config  # noqa: E402
 from sim.render import headless_rendering_error  # noqa: E402
 from vla_rl.buffer import ReplayBuffer  # noqa: E402
+from vla_rl.curves import episodes_to, plot_success, success_curve  # noqa: E402
 from vla_rl.dataset import RobotDataset  # noqa: E402
+from vla_rl.grpo import update_grpo  # noqa: E402
 from vla_rl.habc import (  # noqa: E402
-    VLAHABCTrainer,
+    Gate,
+    Head,
+    Weighting,
     advantage_weights,
     chunk_advantage,
     efficiency_rewards,
-    episodes_to,
     executed_chunks,
     gate,
     habc_advantages,
     head_rows,
-    plot_success,
     segment_returns,
-    success_curve,
     viability_rewards,
 )
 from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY  # noqa: E402
@@ -37,6 +38,7 @@ from vla_rl.online import Transitions  # noqa: E402
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
 from vla_rl.pretrain import frame_tensors  # noqa: E402
 from vla_rl.recording import record_episodes  # noqa: E402
+from vla_rl.trainer import VLAHABCTrainer  # noqa: E402
 
 needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 SIZE = 32
@@ -95,21 +97,23 @@ def test_gate_and_habc_advantages_on_hand_made_tensors():
     r_v, done_v = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([False, True, False])
     e, e_next = torch.tensor([-0.5, -0.1, -0.3]), torch.tensor([-0.4, 0.0, -0.3])
     r_e, done_e = torch.full((3,), -0.02), torch.tensor([False, True, False])
-    out = habc_advantages(r_v, v, v_next, done_v, r_e, e, e_next, done_e, 0.9, 0.98, k=10.0, tau=0.5)
+    out = habc_advantages(
+        Head(r_v, v, v_next, done_v, 0.9), Head(r_e, e, e_next, done_e, 0.98), Gate(10.0, 0.5)
+    )
     a_v = torch.tensor([0.9 * 0.3 - 0.2, 1.0 - 0.8, 0.9 * 0.5 - 0.5])
     a_e = torch.tensor([-0.02 + 0.98 * -0.4 + 0.5, -0.02 + 0.1, -0.02 + 0.98 * -0.3 + 0.3])
     g = torch.tensor([1 / (1 + math.exp(3.0)), 1 / (1 + math.exp(-3.0)), 0.5])
-    torch.testing.assert_close(out["a_v"], a_v)
-    torch.testing.assert_close(out["a_e"], a_e)
-    torch.testing.assert_close(out["gate"], g)
-    torch.testing.assert_close(out["advantage"], (1 - g) * a_v + g * a_e)
+    torch.testing.assert_close(out.a_v, a_v)
+    torch.testing.assert_close(out.a_e, a_e)
+    torch.testing.assert_close(out.gate, g)
+    torch.testing.assert_close(out.advantage, (1 - g) * a_v + g * a_e)
     # the gate: viability first while success is uncertain, efficiency once it is likely
     assert gate(torch.tensor([0.0]), 50.0, 0.5) < 1e-6 and gate(torch.tensor([1.0]), 50.0, 0.5) > 1 - 1e-6
 
 
 def test_weights_are_exp_beta_a_clipped_at_w_max():
     a = torch.tensor([-1.0, 0.0, 0.1, 10.0, 1e4])
-    w = advantage_weights(a, beta=5.0, w_max=20.0)
+    w = advantage_weights(a, Weighting(beta=5.0, w_max=20.0))
     torch.testing.assert_close(w, torch.tensor([math.exp(-5.0), 1.0, math.exp(0.5), 20.0, 20.0]))
     assert torch.isfinite(w).all() and w.max() <= 20.0
 
@@ -146,7 +150,7 @@ def test_intervention_aware_credit_reaches_only_policy_segments():
     assert v_rows.tolist() == list(range(11))  # viability never trains on intervention steps
     assert e_rows.tolist() == [4, 5, 9, 10]  # efficiency: policy segments ending in the policy's success
     values = torch.full((len(tr),), 0.5)
-    targets = segment_returns(r_v, values, values, done_v, tr, v_rows, gamma=0.9, lam=1.0)
+    targets = segment_returns(Head(r_v, values, values, done_v, gamma=0.9), tr, v_rows, lam=1.0)
     torch.testing.assert_close(targets, torch.tensor([0, 0, 0, 0, 0.9, 1, 0, 0, 0, 0.9, 1]))
     r_e, done_e = efficiency_rewards(tr, gamma_e=0.5)
     assert done_e.tolist() == [0] * 5 + [1] + [0] * 4 + [1] + [0] * 3 and (r_e == -0.5).all()
@@ -349,7 +353,7 @@ def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path):
     for i, episode in enumerate(episodes):  # one success per group of two
         episode.success = i % 2 == 0
     before = [p.detach().clone() for p in trainer.policy.parameters()]
-    out = trainer.update_grpo(episodes, torch.Generator().manual_seed(0))
+    out = update_grpo(trainer, episodes, torch.Generator().manual_seed(0))
     assert out["grpo_chunks"] > 0 and out["actor_updates"] == 2 and math.isfinite(out["loss"])
     assert 0 <= out["clip_fraction"] <= 1 and abs(out["approx_kl"]) < 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters(), strict=True))

@@ -1,0 +1,255 @@
+"""Config of the `vla_habc` trainer (`mmrl train vla/habc`, vla/awr, vla/bc, vla/dagger, vla/grpo): one
+dataclass per section, the checks that need more than one field, and the size check made at setup.
+
+`method` picks the update: the methods of `vla_rl.baselines.BUFFER_METHODS` learn from the replay
+buffer (HABC among them), grpo from each iteration's own episodes (`vla_rl.grpo`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mmrl.advantages import check_group_size
+from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.resources import check_memory
+from vla_rl.baselines import BUFFER_METHODS
+from vla_rl.evaluate import TASK_HELP
+from vla_rl.pretrain import checked_task
+
+METHODS = (*BUFFER_METHODS, "grpo")
+ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
+
+
+@dataclass
+class HABCModelConfig:
+    path: str = option(
+        "vla_rl/assets/tiny_vla",
+        "VLAPolicy directory to start from (default: the shipped base; `mmrl pretrain vla` remakes it)",
+    )
+
+
+@dataclass
+class HABCRolloutConfig:
+    task: str = option("PickPlace", TASK_HELP)
+    env_steps: int = option(
+        1600,
+        "env steps per iteration, at least: waves of num_envs episodes run until this many were taken",
+        min=1,
+    )
+    num_envs: int = option(
+        8,
+        "environments stepped in lockstep (one wave of episodes)",
+        min=1,
+        max=1024,
+        why="each is a simulator with a renderer",
+    )
+    group_size: int = option(1, "episodes per reset seed (grpo normalises success within such groups)", min=1)
+    seed: int = option(
+        100_000, "first training reset seed; every iteration uses its own block of seeds", min=0
+    )
+    max_episode_steps: int = option(0, "time limit of training episodes (0: the task's own)", min=0)
+    std_scale: float = option(
+        0.3, "exploration: sample chunks with the policy's std times this (grpo's log-probs too)", min=1e-6
+    )
+
+
+@dataclass
+class HABCInterventionConfig:
+    enabled: bool = option(True, "let the scripted expert take over when the policy strays")
+    window: int = option(8, "policy steps over which the disagreement with the expert is averaged", min=1)
+    threshold: float = option(
+        1.0, "mean RMS gap to the expert's action over the window that counts as straying", min=0.0
+    )
+    takeover_steps: int = option(12, "steps the expert drives before handing control back", min=1)
+    deadline: int = option(
+        0, "steps after which, still without success, the expert takes over once (0: never)", min=0
+    )
+    max_per_episode: int = option(4, "take-overs per episode at most", min=0)
+    release_guard: bool = option(
+        False,
+        "also take over before the policy opens the gripper where that drops the held object away "
+        "from its goal (PickPlace; the last action entry is the gripper, < 0 opens)",
+    )
+
+
+@dataclass
+class HABCCriticConfig:
+    hidden: int = option(128, "width of the critics' shared trunk (2 layers)", min=1)
+    lr: float = option(1e-3, "Adam learning rate of the critics", min=0.0)
+    updates: int = option(100, "critic minibatch updates per iteration", min=0)
+    batch_size: int = option(256, "transitions per critic update (per head)", min=1)
+    gamma_v: float = option(0.99, "discount of the viability head", min=0.0, max=1.0)
+    gamma_e: float = option(0.98, "discount of the efficiency head (-1 reward per step)", min=0.0, max=0.999)
+    lam: float = option(
+        1.0, "TD(lambda) of the critic targets: 1 regresses the outcome itself, 0 is TD(0)", min=0.0, max=1.0
+    )
+
+
+@dataclass
+class HABCActorConfig:
+    beta: float = option(5.0, "weights min(exp(beta * A), w_max) (habc and awr)", min=1e-6)
+    w_max: float = option(20.0, "largest advantage weight", min=1e-6)
+    normalize: bool = option(False, "standardise the advantages over the transitions before weighting")
+    per_chunk: bool = option(
+        False,
+        "weight each sampled chunk as one decision: habc sums its executed steps' one-step advantages "
+        "(discounted), awr uses the advantage at the chunk's first state; false weights each step alone",
+    )
+
+
+@dataclass
+class HABCGateConfig:
+    gate_k: float = option(10.0, "gate sharpness k in g = sigmoid(k (V_v - tau))", min=0.0)
+    gate_tau: float = option(0.5, "viability at which the gate is half open", min=0.0, max=1.0)
+    intervention_weight: float = option(1.0, "actor weight of intervention (demonstration) steps", min=0.0)
+
+
+@dataclass
+class HABCGRPOConfig:
+    advantage: str = option(
+        "grpo",
+        "advantage estimator over the episodes of each reset seed (binary success as reward)",
+        registry="advantage",
+        kinds=("group",),
+    )
+    loss: str = option(
+        "ppo_clip",
+        "policy loss on the executed actions' log-probs, called with grpo.clip_low and grpo.clip_high",
+        registry="loss",
+        kinds=("policy",),
+    )
+    clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0)
+    clip_high: float = option(0.28, "PPO ratio clip above 1", min=0.0)
+
+
+@dataclass
+class HABCTrainConfig:
+    lr: float = option(3e-4, "AdamW learning rate of the policy", min=0.0)
+    lr_schedule: str = option(
+        "constant",
+        "constant, or cosine: decayed to 0 over the run's iterations",
+        choices=("constant", "cosine"),
+    )
+    weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
+    updates: int = option(32, "actor minibatch updates per iteration", min=0)
+    batch_size: int = option(64, "action chunks per actor update", min=1)
+    max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    nan_patience: int = option(5, "non-finite updates in a row before the run stops", min=1)
+    buffer_capacity: int = option(
+        8000, "transitions kept per kind (policy, intervention), oldest evicted first", min=1
+    )
+    failure_capacity: int = option(
+        1, "transitions of whole failed episodes kept (no method trains on them)", min=1
+    )
+    demos: str | None = option(
+        None, "LeRobot dataset of demonstrations (e.g. the base's OUTPUT_DIR/demos) mixed into actor batches"
+    )
+    demo_episodes: int = option(
+        0,
+        "scripted-expert demonstrations of rollout.task to record into OUTPUT_DIR/demos at the start (reset "
+        "seeds 0, 1, ...: those `mmrl pretrain vla` records) and mix in like train.demos; 0: none",
+        min=0,
+    )
+    demo_fraction: float = option(
+        0.5, "share of each actor batch drawn from train.demos (weight 1, like pretraining)", min=0.0, max=1.0
+    )
+    state_weight: float = option(
+        1.0,
+        "weight of the policy's auxiliary object-position loss in actor updates (a policy pretrained "
+        "with one; see `mmrl pretrain vla` train.state_weight)",
+        min=0.0,
+    )
+
+
+@dataclass
+class HABCEvalConfig:
+    episodes: int = option(100, "held-out evaluation episodes (deterministic policy)", min=1)
+    seed: int = option(
+        1_000_000, "reset seed of the first evaluation episode (disjoint from training seeds)", min=0
+    )
+    num_envs: int = option(
+        8,
+        "environments stepped in lockstep during evaluation",
+        min=1,
+        max=1024,
+        why="each is a simulator with a renderer",
+    )
+    videos: int = option(
+        2, "GIFs of the final policy on the first held-out episodes, written to OUTPUT_DIR/videos", min=0
+    )
+
+
+@dataclass
+class VLAHABCConfig(BaseConfig):
+    trainer: str = option("vla_habc", "trainer name", registry="trainer")
+    method: str = option("habc", f"update rule: {', '.join(METHODS[:-1])} or {METHODS[-1]}", choices=METHODS)
+    model: HABCModelConfig = field(default_factory=HABCModelConfig)
+    rollout: HABCRolloutConfig = field(default_factory=HABCRolloutConfig)
+    intervention: HABCInterventionConfig = field(default_factory=HABCInterventionConfig)
+    critic: HABCCriticConfig = field(default_factory=HABCCriticConfig)
+    actor: HABCActorConfig = field(default_factory=HABCActorConfig)
+    habc: HABCGateConfig = field(default_factory=HABCGateConfig)
+    grpo: HABCGRPOConfig = field(default_factory=HABCGRPOConfig)
+    train: HABCTrainConfig = field(default_factory=HABCTrainConfig)
+    eval: HABCEvalConfig = field(default_factory=HABCEvalConfig)
+
+    def __post_init__(self) -> None:
+        self.rollout.task = checked_task(self.rollout.task, "rollout.task")
+        r = self.rollout
+        if r.num_envs % r.group_size:
+            raise ConfigError(
+                f"config error: rollout.group_size = {r.group_size} must divide "
+                f"rollout.num_envs = {r.num_envs} (a wave of episodes holds whole groups)"
+            )
+        if self.method == "grpo":
+            if r.group_size < 2:
+                raise ConfigError(
+                    f"config error: rollout.group_size = {r.group_size}: method grpo compares episodes of "
+                    "the same reset seed, so it needs rollout.group_size >= 2"
+                )
+            check_group_size(self.grpo.advantage, r.group_size, "rollout.group_size")
+        if self.train.demos and self.train.demo_episodes:
+            raise ConfigError(
+                f"config error: train.demos = {self.train.demos!r} and train.demo_episodes = "
+                f"{self.train.demo_episodes} both give demonstrations: set one (train.demo_episodes=0 "
+                "to use the dataset)"
+            )
+        train_seeds = range(r.seed, r.seed + self.steps * seed_block(self))
+        held_out = range(self.eval.seed, self.eval.seed + self.eval.episodes)
+        if self.train.demo_episodes > held_out.start:
+            raise ConfigError(
+                f"config error: train.demo_episodes = {self.train.demo_episodes} records demonstrations from "
+                f"reset seeds 0..{self.train.demo_episodes - 1}, which reach the evaluation seeds from "
+                f"eval.seed = {self.eval.seed}: record fewer or raise eval.seed"
+            )
+        if train_seeds.start < held_out.stop and held_out.start < train_seeds.stop:
+            raise ConfigError(
+                f"config error: eval.seed = {self.eval.seed} makes evaluation seeds "
+                f"{held_out.start}..{held_out.stop - 1} overlap the training seeds "
+                f"{train_seeds.start}..{train_seeds.stop - 1} (rollout.seed = {r.seed}): "
+                "choose seeds that do not overlap"
+            )
+
+
+def check_env_size(cfg: VLAHABCConfig, image_size: int) -> None:
+    """Refuse environments and a replay buffer that cannot fit in memory: every environment holds a
+    simulator and its renderer, every stored transition a uint8 camera frame (twice while a checkpoint
+    copies the buffer); the buffer holds at most its capacity and at most what the run's env-step
+    budget collects."""
+    envs = cfg.rollout.num_envs + cfg.eval.num_envs
+    capacity = 2 * cfg.train.buffer_capacity + cfg.train.failure_capacity
+    frames = min(capacity, cfg.steps * cfg.rollout.env_steps)
+    check_memory(
+        envs * ENV_BYTES + frames * 2 * 3 * image_size**2,
+        f"{envs} environments (rollout.num_envs + eval.num_envs) and a replay buffer of {frames} frames of "
+        f"{image_size} px (2 x train.buffer_capacity + train.failure_capacity, or steps x rollout.env_steps)",
+        ["rollout.num_envs", "eval.num_envs", "train.buffer_capacity"],
+    )
+
+
+def seed_block(cfg: VLAHABCConfig) -> int:
+    """Reset seeds reserved per iteration: enough groups for the most waves an iteration can run
+    (every episode takes at least one step, so a wave takes at least num_envs steps)."""
+    waves = math.ceil(cfg.rollout.env_steps / cfg.rollout.num_envs)
+    return waves * (cfg.rollout.num_envs // cfg.rollout.group_size)

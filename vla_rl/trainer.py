@@ -1,0 +1,453 @@
+"""Online fine-tuning of the VLA with HABC, and its baselines in the same loop (`mmrl train vla/habc`).
+
+Each training step is one iteration: roll out the stochastic policy on fresh reset seeds until at least
+`rollout.env_steps` environment steps were taken (policy and expert steps alike: the budget that
+recipes share), with the scripted-expert supervisor of `vla_rl.online` taking over when the policy
+strays; store every step with its kind (policy / intervention) in the `ReplayBuffer`; then update by
+`method`: a method of `vla_rl.baselines.BUFFER_METHODS` (habc, awr, bc, dagger) trains the critics on
+its targets, then the actor on its rows and weights, over the whole buffer; grpo updates on the
+iteration's own episodes (`vla_rl.grpo`). HABC's math is in `vla_rl.habc`.
+
+The actor loss is -E[w log pi(a | s)] over action chunks. An expert step t regresses steps
+t .. t+horizon-1 of its own segment (masked past the segment's end); a policy step is trained only
+where the policy sampled a chunk, on the actions it executed from that chunk (a step inside a chunk was
+decided at an earlier state). Each position carries the weight of its own step. With `train.demos` or
+`train.demo_episodes` (the recipes), `train.demo_fraction` of every actor batch comes from
+demonstrations (weight 1), whatever the method: without them the online data alone pulled the base
+down (docs/results.md). A policy pretrained with the auxiliary object-position head keeps that loss in
+every actor update (`train.state_weight`), on online and demonstration rows. Exploration samples from
+the policy with its std times `rollout.std_scale`: the BC base's std (near 1 on the gripper, whose
+demonstrated commands sit at the bounds) makes full-width samples fail where the mean succeeds.
+
+Metrics every iteration: rollout success, take-overs per episode, env steps and episodes so far,
+critic losses, gate mean and weight statistics; held-out success with the deterministic policy every
+`eval_every` iterations and in eval.json before and after; checkpoints hold the critics, their
+optimizer and the replay buffer too, so a resumed run continues exactly. At the end OUTPUT_DIR holds
+the policy (policy/), the rollout counters with the training episodes it took to first reach 80%
+held-out success (rollouts.json), held-out success against env steps (success.png) and GIFs of the
+final policy (videos/).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from safetensors.numpy import load_file, save_file
+from torch import Tensor, nn
+
+from mmrl.config import ConfigError, shipped_path
+from mmrl.losses import aggregate_loss
+from mmrl.registry import TRAINERS
+from mmrl.trainer import StepSkipped, Trainer, warmup_cosine
+from vla_rl.baselines import BUFFER_METHODS, ActorTargets
+from vla_rl.buffer import ReplayBuffer
+from vla_rl.config import VLAHABCConfig, check_env_size, seed_block
+from vla_rl.curves import episodes_to, plot_success, success_curve
+from vla_rl.dataset import RobotDataset, open_dataset
+from vla_rl.evaluate import evaluate_policy, write_gif
+from vla_rl.evaluate import run_episodes as run_eval_episodes
+from vla_rl.grpo import update_grpo
+from vla_rl.habc import Critics, CriticTargets, critic_losses
+from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
+from vla_rl.online import Episode, Transitions, add_to_buffer, rollouts
+from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy, instruction_words
+from vla_rl.pretrain import frame_tensors
+from vla_rl.recording import expert_demonstrations
+from vla_rl.supervisor import TakeoverRule
+
+
+def _stream(seed: int, step: int, stream: int) -> int:
+    """A generator seed per (run seed, iteration, purpose): rollouts and minibatches repeat on resume."""
+    return (seed * 1_000_003 + step * 101 + stream) % 2**63
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Drop the metrics that had nothing to average this iteration (e.g. no efficiency data yet)."""
+    return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
+@TRAINERS.register("vla_habc")
+class VLAHABCTrainer(Trainer):
+    """Online fine-tuning of a pretrained VLAPolicy with HABC or a baseline (see the module docstring)."""
+
+    config_class = VLAHABCConfig
+    config: VLAHABCConfig
+
+    def __init__(self, config: VLAHABCConfig, accelerator: Accelerator | None = None) -> None:
+        path = shipped_path(config.model.path)
+        missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (path / name).is_file()]
+        if missing:
+            raise ConfigError(
+                f"config error: model.path = {config.model.path!r} holds no policy "
+                f"({' or '.join(missing)} missing): run `mmrl pretrain vla` first, or set model.path "
+                "to a directory written by VLAPolicy.save_pretrained"
+            )
+        super().__init__(config, accelerator)
+
+    # ----- setup -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Load the policy, make the training envs, the expert, the critics and the replay buffer."""
+        import sim
+        from sim.experts import expert_for
+
+        cfg = self.config
+        if self.accelerator.num_processes > 1:
+            raise ConfigError(
+                "the vla_habc trainer runs in one process: "
+                "launch it without accelerate's multi-process options"
+            )
+        try:
+            self.policy = VLAPolicy.from_pretrained(
+                shipped_path(cfg.model.path), device=self.accelerator.device
+            ).train()
+        except ConfigError as err:
+            raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
+        check_env_size(cfg, self.policy.config.image_size)
+        kwargs: dict[str, Any] = {"obs_mode": "state+rgb", "image_size": self.policy.config.image_size}
+        if cfg.rollout.max_episode_steps:
+            kwargs["max_episode_steps"] = cfg.rollout.max_episode_steps
+        self.envs = [sim.make(cfg.rollout.task, **kwargs) for _ in range(cfg.rollout.num_envs)]
+        proprio_dim = self.envs[0].get_wrapper_attr("proprio_dim")
+        if proprio_dim != self.policy.config.proprio_dim:
+            raise ConfigError(
+                f"config error: model.path = {cfg.model.path!r} expects proprio_dim = "
+                f"{self.policy.config.proprio_dim}, task {cfg.rollout.task} gives {proprio_dim}: "
+                "use a policy pretrained on a compatible task"
+            )
+        self.expert = expert_for(cfg.rollout.task)
+        added = self.policy.add_words(instruction_words(self.envs[0].get_wrapper_attr("instruction")))
+        if added and self.is_main:  # before the optimizer, which must hold the grown embedding
+            print(f"added the words {', '.join(added)} of task {cfg.rollout.task} to the policy's vocabulary")
+        self.prepare_model_and_optimizer(self.policy, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.critics = Critics(self.envs[0].observation_space["state"].shape[0], cfg.critic.hidden)
+        self.critic_optimizer = torch.optim.Adam(self.critics.parameters(), lr=cfg.critic.lr)
+        capacity = {
+            "policy": cfg.train.buffer_capacity,
+            "intervention": cfg.train.buffer_capacity,
+            "failure": cfg.train.failure_capacity,
+        }
+        self.buffer = ReplayBuffer(capacity)
+        self.demo_frames = (
+            self.load_demos(open_dataset(cfg.train.demos, "train.demos")) if cfg.train.demos else None
+        )
+        self.episode_length: dict[int, int] = {}
+        self.counters = {"env_steps": 0, "episodes": 0, "interventions": 0, "successes": 0}
+
+    def start_run_dir(self) -> None:
+        """The run directory, then the demonstrations `train.demo_episodes` asks for, recorded into it
+        (or read back when the run resumes)."""
+        super().start_run_dir()
+        cfg = self.config
+        if cfg.train.demo_episodes:
+            dataset = expert_demonstrations(
+                self.run_dir / "demos",
+                cfg.rollout.task,
+                cfg.train.demo_episodes,
+                0,
+                self.demo_features(),
+                key="train.demo_episodes",
+                image_size=self.policy.config.image_size,
+            )
+            self.demo_frames = self.load_demos(dataset)
+
+    def demo_features(self) -> dict[str, tuple[int, ...]]:
+        """The shapes a demonstration dataset needs to train this policy on this task."""
+        env, size = self.envs[0], self.policy.config.image_size
+        return {
+            IMAGE_KEY: (size, size, 3),
+            STATE_KEY: env.observation_space["state"].shape,
+            ACTION_KEY: env.action_space.shape,
+        }
+
+    def load_demos(self, dataset: RobotDataset) -> dict[str, Tensor]:
+        """Every frame of the demonstrations as training tensors, after checking they fit the policy
+        and task."""
+        try:
+            dataset.check_features(self.demo_features())
+        except ValueError as err:
+            raise ConfigError(
+                f"config error: train.demos = {str(dataset.root)!r} does not fit task "
+                f"{self.config.rollout.task}: {err}"
+            ) from None
+        return frame_tensors(dataset, self.policy)
+
+    @property
+    def horizon(self) -> int:
+        """Actions per predicted chunk: the length of every actor target."""
+        return self.policy.config.horizon
+
+    # ----- state that survives a restart -------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        """Critics, their optimizer, the replay buffer (its own save format, as arrays) and counters."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.buffer.save(tmp)
+            buffer = {
+                "arrays": load_file(os.path.join(tmp, "buffer.safetensors")),
+                "meta": (Path(tmp) / "buffer.json").read_text(),
+            }
+        return {
+            "critics": self.critics.state_dict(),
+            "critic_optimizer": self.critic_optimizer.state_dict(),
+            "buffer": buffer,
+            "episode_length": {str(k): v for k, v in self.episode_length.items()},
+            "counters": dict(self.counters),
+        }
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Inverse of `trainer_state`."""
+        self.critics.load_state_dict(state["critics"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        with tempfile.TemporaryDirectory() as tmp:
+            save_file(dict(state["buffer"]["arrays"]), os.path.join(tmp, "buffer.safetensors"))
+            (Path(tmp) / "buffer.json").write_text(state["buffer"]["meta"])
+            self.buffer = ReplayBuffer.load(tmp)
+        self.episode_length = {int(k): int(v) for k, v in state["episode_length"].items()}
+        self.counters = {k: int(v) for k, v in state["counters"].items()}
+
+    # ----- one iteration -----------------------------------------------------------------------
+    def collect(self, step: int) -> list[Episode]:
+        """Waves of num_envs episodes until the iteration's env-step budget is reached."""
+        cfg, r, iv = self.config, self.config.rollout, self.config.intervention
+        generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 0))
+        takeover = (
+            TakeoverRule(
+                iv.threshold,
+                iv.takeover_steps,
+                window=iv.window,
+                deadline=iv.deadline,
+                max_per_episode=iv.max_per_episode,
+                release_guard=iv.release_guard,
+            )
+            if iv.enabled
+            else None
+        )
+        groups_per_wave = r.num_envs // r.group_size
+        first_group = r.seed + step * seed_block(cfg)
+        episodes: list[Episode] = []
+        steps, wave = 0, 0
+        while steps < r.env_steps:
+            groups = [first_group + wave * groups_per_wave + j // r.group_size for j in range(r.num_envs)]
+            batch = rollouts(
+                self.policy, self.envs, self.expert, groups, groups, takeover, generator, r.std_scale
+            )
+            episodes += batch
+            steps += sum(e.length for e in batch)
+            wave += 1
+        return episodes
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One iteration: supervised rollouts into the buffer, then the method's critic and actor updates."""
+        cfg = self.config
+        episodes = self.collect(step)
+        for episode in episodes:
+            self.episode_length[add_to_buffer(self.buffer, episode)] = episode.length
+        kept = {s.episode for kind in ("policy", "intervention") for s in self.buffer.segments[kind]}
+        self.episode_length = {k: v for k, v in self.episode_length.items() if k in kept}
+        lengths = np.array([e.length for e in episodes])
+        success = np.array([e.success for e in episodes])
+        takeovers = np.array([e.interventions for e in episodes])
+        expert_steps = sum(int(e.is_intervention.sum()) for e in episodes)
+        self.counters["env_steps"] += int(lengths.sum())
+        self.counters["episodes"] += len(episodes)
+        self.counters["interventions"] += int(takeovers.sum())
+        self.counters["successes"] += int(success.sum())
+        sizes = self.buffer.sizes()
+        metrics: dict[str, Any] = {
+            "success_rate": float(success.mean()),
+            "autonomous_success_rate": float((success & (takeovers == 0)).mean()),
+            "interventions_per_episode": float(takeovers.mean()),
+            "intervention_step_fraction": expert_steps / float(lengths.sum()),
+            "episode_steps": float(lengths.mean()),
+            "rollout_episodes": len(episodes),
+            "env_steps": self.counters["env_steps"],
+            "episodes": self.counters["episodes"],
+            "buffer_policy": sizes["policy"],
+            "buffer_intervention": sizes["intervention"],
+        }
+        # the iteration's learning rate, from the config alone: a run resumed with more steps re-spreads it
+        lr = cfg.train.lr * (warmup_cosine(step, 0, cfg.steps) if cfg.train.lr_schedule == "cosine" else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics["lr"] = lr
+        generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 1))
+        if cfg.method == "grpo":
+            metrics.update(update_grpo(self, episodes, generator))
+        else:
+            metrics.update(self.update(generator))
+        return _finite(metrics)
+
+    def update(self, generator: torch.Generator) -> dict[str, Any]:
+        """The method's critic and actor updates on the whole replay buffer."""
+        method = BUFFER_METHODS[self.config.method]
+        metrics: dict[str, Any] = {}
+        tr = Transitions.from_buffer(self.buffer, self.episode_length)
+        if method.critic_targets is not None:
+            metrics.update(self.train_critics(tr, method.critic_targets, generator))
+        targets = method.actor(tr, self.critics, self.config, self.horizon)
+        metrics.update(targets.stats)
+        metrics.update(self.update_actor(tr, targets, generator))
+        return metrics
+
+    # ----- critics -----------------------------------------------------------------------------
+    def train_critics(
+        self,
+        tr: Transitions,
+        targets_of: Callable[[Transitions, Critics, VLAHABCConfig], CriticTargets],
+        generator: torch.Generator,
+    ) -> dict[str, Any]:
+        """Minibatch updates of the critic heads on the method's targets (BCE for viability, MSE for u)."""
+        c = self.config.critic
+        self.critics.fit_normalization(tr.state)
+        targets = targets_of(tr, self.critics, self.config)
+        v_losses, e_losses, skipped = [], [], 0
+        for _ in range(c.updates if len(targets.v_rows) else 0):
+            v_loss, e_loss = critic_losses(self.critics, tr.state, targets, c.batch_size, generator)
+            loss = v_loss
+            if e_loss is not None:
+                loss = loss + e_loss
+                e_losses.append(e_loss.item())
+            if not torch.isfinite(loss):
+                skipped += 1
+                continue
+            # the critics have their own optimizer: Trainer.optimizer_step steps the policy's
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(self.critics.parameters(), 1.0)
+            self.critic_optimizer.step()
+            v_losses.append(v_loss.item())
+        return {
+            "critic_v_loss": _mean(v_losses),
+            "critic_e_loss": _mean(e_losses),
+            "critic_e_transitions": len(targets.e_rows),
+            "critic_skipped_updates": skipped,
+        }
+
+    # ----- actor -------------------------------------------------------------------------------
+    def actor_step(self, loss: Tensor, dist: ClippedGaussian) -> dict[str, float] | None:
+        """Backward and step on `loss` plus `train.state_weight` times the policy's auxiliary
+        object-position loss (when the batch had the env state and the policy has the head: every
+        actor update keeps it, and so every parameter gets a gradient, as DDP requires). Returns the
+        step's metrics, or None: the update skipped, as a NaN is data, not a crash."""
+        cfg = self.config.train
+        if dist.state_loss is not None and cfg.state_weight != 0:
+            loss = loss + cfg.state_weight * dist.state_loss
+        try:
+            grad_norm = self.optimizer_step(loss, cfg.max_grad_norm, cfg.nan_patience, what="actor ")
+        except StepSkipped:
+            return None
+        out = {"loss": loss.item(), "grad_norm": float(grad_norm)}
+        return out if dist.state_loss is None else out | {"state_loss": dist.state_loss.item()}
+
+    def actor_metrics(self, steps: list[dict[str, float] | None]) -> dict[str, Any]:
+        """The mean of each metric over the actor steps that ran, and how many ran and were skipped."""
+        done = [s for s in steps if s is not None]
+        names = dict.fromkeys(k for s in done for k in s)
+        return {k: _mean([s[k] for s in done if k in s]) for k in names} | {
+            "actor_updates": len(done),
+            "skipped_updates": len(steps) - len(done),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def update_actor(
+        self, tr: Transitions, targets: ActorTargets, generator: torch.Generator
+    ) -> dict[str, Any]:
+        """Weighted chunk regression on minibatches drawn uniformly from the targets' rows, with a
+        `demo_fraction` share of each batch drawn from the demonstrations (weight 1) when there are any."""
+        cfg = self.config.train
+        horizon, rows, weights = self.horizon, targets.rows, targets.weights
+        n_demo = round(cfg.batch_size * cfg.demo_fraction) if self.demo_frames is not None else 0
+        n_online = cfg.batch_size - n_demo if len(rows) else 0
+        device = self.accelerator.device
+        steps = []
+        for _ in range(cfg.updates if n_online + n_demo else 0):
+            parts = []  # (inputs, target actions, mask, weight), each (B, horizon, ...)
+            if n_online:
+                pick = rows[torch.randint(len(rows), (n_online,), generator=generator)]
+                chunk, mask = tr.chunk_rows(pick, horizon, executed=not targets.relabel)
+                if targets.relabel:
+                    relabelled = self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
+                    actions = torch.from_numpy(relabelled).reshape(*chunk.shape, -1).float()
+                else:
+                    actions = tr.action[chunk]
+                inputs = tr.policy_inputs(self.policy, pick) | {"state": tr.state[pick].to(device)}
+                parts.append((inputs, actions, mask, weights[chunk]))
+            if n_demo:
+                demo = torch.randint(len(self.demo_frames["actions"]), (n_demo,), generator=generator)
+                frames = {k: v[demo] for k, v in self.demo_frames.items()}
+                inputs = {k: frames[k].to(device) for k in ("image", "proprio", "state", "tokens")}
+                parts.append((inputs, frames["actions"], frames["mask"], torch.ones(n_demo, horizon)))
+            inputs = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+            actions, mask, weight = (torch.cat([p[i] for p in parts]).to(device) for i in (1, 2, 3))
+            self.model.train()
+            dist = self.model(inputs)
+            loss = aggregate_loss(-weight * dist.log_prob(actions).sum(-1), mask, "token_mean")
+            steps.append(self.actor_step(loss, dist))
+        return self.actor_metrics(steps)
+
+    # ----- evaluation and the end of a run --------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out success of the deterministic policy on fixed seeds (disjoint from training seeds)."""
+        e = self.config.eval
+        return evaluate_policy(
+            self.policy,
+            self.config.rollout.task,
+            e.episodes,
+            e.seed,
+            num_envs=e.num_envs,
+            progress=self.config.progress,
+        )
+
+    def train(self) -> dict[str, Any]:
+        """The shared loop, then to OUTPUT_DIR: the policy, the rollout counters with the episodes it
+        took to reach 80% held-out success (rollouts.json), success.png and evaluation GIFs."""
+        try:
+            result = super().train()
+            if self.is_main:
+                self.policy.save_pretrained(self.run_dir / "policy")
+                curve = success_curve(self.run_dir, self.counters)
+                summary = {
+                    "method": self.config.method,
+                    **self.counters,
+                    "episodes_to_80": episodes_to(curve, 0.8),
+                }
+                (self.run_dir / "rollouts.json").write_text(json.dumps(summary, indent=1))
+                plot_success(
+                    curve, self.config.eval.episodes, self.config.method, self.run_dir / "success.png"
+                )
+                self.write_videos()
+        finally:
+            for env in getattr(self, "envs", []):
+                env.close()
+        return result
+
+    def write_videos(self) -> None:
+        """GIFs of the final deterministic policy on the first `eval.videos` held-out episodes (the same
+        seeds the evaluation starts with), named by seed and outcome."""
+        e = self.config.eval
+        if not e.videos:
+            return
+        episodes = run_eval_episodes(
+            self.policy,
+            self.config.rollout.task,
+            e.videos,
+            e.seed,
+            num_envs=e.num_envs,
+            progress=False,
+            videos=e.videos,
+        )
+        for k, (frames, by_expert) in sorted(episodes.videos.items()):
+            outcome = "success" if episodes.success[k] else "failure"
+            write_gif(frames, by_expert, self.run_dir / "videos" / f"seed{episodes.seeds[k]}_{outcome}.gif")
