@@ -19,7 +19,7 @@ from mmrl.advantages import gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree
 from mmrl.bench_all import check_counts, print_table
 from mmrl.config import check_device
 from mmrl.losses import awr_weights
-from mmrl.noise import NoiseKey, keyed_rand, keyed_randn, keyed_randn_batch
+from mmrl.noise import NoiseKey, keyed_rand_batch, keyed_randn_batch
 from mmrl.registry import BENCHES
 
 NOISE_TARGET_RATIO = 1.5
@@ -50,16 +50,24 @@ def _median_ms(fns: list[Callable[[], object]], repeats: int, sync: Callable[[],
 
 
 def _noise_rows(repeats: int, device: torch.device, sync: Callable[[], None]) -> list[dict]:
-    key = dict(seed=1, step=2, prompt=3, node=4)
-
-    def node_keys() -> list[NoiseKey]:
-        """Keys of a batch of 16 tree nodes, built inside the timed call as a rollout does."""
-        return [NoiseKey(1, 2, 3, node) for node in range(16)]
+    def node_keys(n: int = 16) -> list[NoiseKey]:
+        """Keys of a batch of n tree nodes, built inside the timed call as a rollout does."""
+        return [NoiseKey(1, 2, 3, node) for node in range(n)]
 
     small, large, logits = (16, 4, 32, 32), (16, 16, 64, 64), (16, 32000)
     cases = [
-        ("keyed_randn", small, lambda: keyed_randn(small, **key, device=device), torch.randn),
-        ("keyed_randn", large, lambda: keyed_randn(large, **key, device=device), torch.randn),
+        (
+            "keyed_randn_batch, 1 key",
+            small,
+            lambda: keyed_randn_batch(small, node_keys(1), device=device)[0],
+            torch.randn,
+        ),
+        (
+            "keyed_randn_batch, 1 key",
+            large,
+            lambda: keyed_randn_batch(large, node_keys(1), device=device)[0],
+            torch.randn,
+        ),
         (
             "keyed_randn_batch, 16 keys",
             small,
@@ -72,7 +80,12 @@ def _noise_rows(repeats: int, device: torch.device, sync: Callable[[], None]) ->
             lambda: keyed_randn_batch(large[1:], node_keys(), device=device),
             torch.randn,
         ),
-        ("keyed_rand", logits, lambda: keyed_rand(logits, **key, device=device), torch.rand),
+        (
+            "keyed_rand_batch, 1 key",
+            logits,
+            lambda: keyed_rand_batch(logits, node_keys(1), device=device)[0],
+            torch.rand,
+        ),
     ]
     rows = []
     for name, shape, ours, plain in cases:

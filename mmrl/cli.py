@@ -143,56 +143,51 @@ def build_parser() -> argparse.ArgumentParser:
         "advantages; repeatable",
     )
 
-    train = sub.add_parser(
+    add_command(
+        sub,
+        common,
         "train",
-        parents=[common],
-        help="train a recipe",
-        description=(
-            "Train from a recipe (e.g. core/tiny_grpo) or a YAML path, with dotted overrides such as "
-            "train.lr=1e-4. Multi-process: accelerate launch -m mmrl train CONFIG."
-        ),
+        "train a recipe",
+        "Train from a recipe (e.g. core/tiny_grpo) or a YAML path, with dotted overrides such as "
+        "train.lr=1e-4. Multi-process: accelerate launch -m mmrl train CONFIG.",
+        ("config", "recipe name (see `mmrl list`) or path to a YAML file"),
+        "key=value overrides, dotted for sections",
+        resume=True,
     )
-    train.add_argument("config", help="recipe name (see `mmrl list`) or path to a YAML file")
-    train.add_argument("overrides", nargs="*", help="key=value overrides, dotted for sections")
-    train.add_argument("--resume", action="store_true", help="same as resume=true")
-    train.set_defaults(rest="overrides")
-
-    pretrain = sub.add_parser(
+    add_command(
+        sub,
+        common,
         "pretrain",
-        parents=[common],
-        help="build a tiny base model that RL recipes start from",
-        description="Run the pretraining recipe configs/pretrain/NAME.yaml (`mmrl list` shows them as "
+        "build a tiny base model that RL recipes start from",
+        "Run the pretraining recipe configs/pretrain/NAME.yaml (`mmrl list` shows them as "
         "pretrain/NAME). NAME is a recipe name, not a path: run a YAML file of your own with "
         "`mmrl train PATH.yaml`.",
+        ("name", "pretraining recipe name, e.g. tiny_lm"),
+        "key=value overrides",
+        resume=True,
     )
-    pretrain.add_argument("name", help="pretraining recipe name, e.g. tiny_lm")
-    pretrain.add_argument("overrides", nargs="*", help="key=value overrides")
-    pretrain.add_argument("--resume", action="store_true", help="same as resume=true")
-    pretrain.set_defaults(rest="overrides")
-
-    evaluate = sub.add_parser(
+    add_command(
+        sub,
+        common,
         "eval",
-        parents=[common],
-        help="evaluate models side by side, or a run's newest checkpoint on held-out data",
-        description="With an evaluator name (`mmrl list` shows them; e.g. `mmrl eval diffusion "
+        "evaluate models side by side, or a run's newest checkpoint on held-out data",
+        "With an evaluator name (`mmrl list` shows them; e.g. `mmrl eval diffusion "
         "models=[A,B] seeds=4`), evaluate models side by side. With a recipe, load the newest good "
         "checkpoint in its output_dir and print its held-out metrics as JSON.",
+        ("config", "evaluator name, or recipe name or YAML path of the run"),
+        "key=value overrides (e.g. output_dir=...)",
     )
-    evaluate.add_argument("config", help="evaluator name, or recipe name or YAML path of the run")
-    evaluate.add_argument("overrides", nargs="*", help="key=value overrides (e.g. output_dir=...)")
-    evaluate.set_defaults(rest="overrides")
-
-    bench = sub.add_parser(
+    add_command(
+        sub,
+        common,
         "bench",
-        parents=[common],
-        help="run a benchmark (ours vs baseline, side by side)",
-        description="Run a named benchmark; `mmrl list` shows them. key=value options become the "
+        "run a benchmark (ours vs baseline, side by side)",
+        "Run a named benchmark; `mmrl list` shows them. key=value options become the "
         "bench's keyword arguments (e.g. `mmrl bench core repeats=1`); `mmrl bench all` runs every "
         "bench and takes a section per bench (core.repeats=1), only=[...], skip=[...], output=PATH.",
+        ("name", "benchmark name, e.g. core, or all"),
+        "key=value options passed to the bench",
     )
-    bench.add_argument("name", help="benchmark name, e.g. core, or all")
-    bench.add_argument("overrides", nargs="*", help="key=value options passed to the bench")
-    bench.set_defaults(rest="overrides")
 
     report = sub.add_parser(
         "report",
@@ -213,6 +208,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="List recipes and every registry with its entries.",
     )
     return parser
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    common: argparse.ArgumentParser,
+    name: str,
+    help: str,
+    description: str,
+    target: tuple[str, str],
+    overrides: str,
+    resume: bool = False,
+) -> None:
+    """A subcommand that takes one target (recipe, evaluator, bench; `target` is its argument name and
+    help) and key=value arguments after it, collected in ``overrides``."""
+    parser = sub.add_parser(name, parents=[common], help=help, description=description)
+    parser.add_argument(target[0], help=target[1])
+    parser.add_argument("overrides", nargs="*", help=overrides)
+    if resume:
+        parser.add_argument("--resume", action="store_true", help="same as resume=true")
+    parser.set_defaults(rest="overrides")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -65,9 +65,8 @@ class NoiseKey:
     def seed_int(self) -> int:
         """The 63-bit generator seed: BLAKE2b-64 of the five fields as little-endian uint64, in order.
 
-        A cryptographic hash rather than a hand-rolled mixer because it is also the cheapest good
-        mixer in Python (about 1.3 us against 3.5 us for five splitmix64 rounds), and per-key
-        overhead is what a batch of small per-node draws pays.
+        A cryptographic hash rather than a hand-rolled mixer (e.g. splitmix64 rounds) because in Python
+        it is also the cheaper one, and per-key overhead is what a batch of small per-node draws pays.
         """
         fields_le = _FIELDS_LE.pack(self.seed, self.step, self.prompt, self.node, self.stream)
         digest = hashlib.blake2b(fields_le, digest_size=8).digest()
@@ -83,7 +82,7 @@ _thread_local = threading.local()
 
 
 def _generator(device: torch.device) -> torch.Generator:
-    """One cached generator per device and thread; re-seeding it costs about a microsecond."""
+    """One cached generator per device and thread: re-seeding one is cheap, building one is not."""
     generators = _thread_local.__dict__.setdefault("generators", {})
     if device not in generators:
         generators[device] = torch.Generator(device=device)
@@ -119,38 +118,6 @@ def _keyed_fill(
     return out.to(dtype)
 
 
-def keyed_randn(
-    shape: ShapeLike,
-    *,
-    seed: int,
-    step: int,
-    prompt: int,
-    node: int,
-    stream: int = 0,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Standard normal noise that depends only on the key (and the device type)."""
-    key = NoiseKey(seed, step, prompt, node, stream)
-    return _keyed_fill(torch.Tensor.normal_, _as_size(shape), [key], device, dtype)[0]
-
-
-def keyed_rand(
-    shape: ShapeLike,
-    *,
-    seed: int,
-    step: int,
-    prompt: int,
-    node: int,
-    stream: int = 0,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Uniform [0, 1) noise keyed like `keyed_randn`, for Gumbel / categorical sampling."""
-    key = NoiseKey(seed, step, prompt, node, stream)
-    return _keyed_fill(torch.Tensor.uniform_, _as_size(shape), [key], device, dtype)[0]
-
-
 def keyed_randn_batch(
     shape: ShapeLike,
     keys: Sequence[NoiseKey],
@@ -158,8 +125,8 @@ def keyed_randn_batch(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """[len(keys), *shape] normal noise whose row i is the `keyed_randn` draw of keys[i], so any row
-    of a batch of tree nodes can later be re-drawn alone."""
+    """[len(keys), *shape] standard normal noise whose row i depends only on keys[i] (and the device type),
+    so any row of a batch of tree nodes can later be re-drawn alone (with keys=[keys[i]])."""
     return _keyed_fill(torch.Tensor.normal_, _as_size(shape), keys, device, dtype)
 
 
@@ -170,6 +137,6 @@ def keyed_rand_batch(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """[len(keys), *shape] uniform [0, 1) noise whose row i is the `keyed_rand` draw of keys[i]
-    (e.g. Gumbel noise for one sampling step of a batch of sequences)."""
+    """[len(keys), *shape] uniform [0, 1) noise keyed like `keyed_randn_batch` (e.g. Gumbel noise for
+    one sampling step of a batch of sequences)."""
     return _keyed_fill(torch.Tensor.uniform_, _as_size(shape), keys, device, dtype)

@@ -4,9 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.noise import NoiseKey, keyed_rand, keyed_rand_batch, keyed_randn, keyed_randn_batch, noise_seed
+from mmrl.noise import NoiseKey, keyed_rand_batch, keyed_randn_batch, noise_seed
 
 KEY = dict(seed=7, step=3, prompt=11, node=5)
+
+
+def keyed_randn(shape, dtype=torch.float32, **fields):
+    """The draw of one key."""
+    return keyed_randn_batch(shape, [NoiseKey(**fields)], dtype=dtype)[0]
+
+
+def keyed_rand(shape, **fields):
+    return keyed_rand_batch(shape, [NoiseKey(**fields)])[0]
 
 
 def test_noise_seed_is_blake2b_of_the_fields_and_pinned():
@@ -74,7 +83,7 @@ def test_normal_and_uniform_draws_of_a_key_are_different_distributions():
     assert uniform.min() >= 0 and uniform.max() < 1
 
 
-def test_batch_row_equals_single_draw_of_its_key():
+def test_batch_row_equals_the_draw_of_its_key_alone():
     keys = [NoiseKey(7, 3, prompt, node, stream=1) for prompt in range(2) for node in range(5)]
     batch = keyed_randn_batch((4, 6, 6), keys)
     assert batch.shape == (10, 4, 6, 6)
@@ -87,7 +96,7 @@ def test_batch_row_equals_single_draw_of_its_key():
     assert keyed_randn_batch(5, []).shape == (0, 5)
 
 
-def test_uniform_batch_row_equals_single_draw_of_its_key():
+def test_uniform_batch_row_equals_the_draw_of_its_key_alone():
     keys = [NoiseKey(7, 3, 1, node, stream=position) for node in range(4) for position in range(3)]
     batch = keyed_rand_batch(50, keys)
     assert batch.shape == (12, 50)

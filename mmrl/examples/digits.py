@@ -17,6 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.config import ConfigError, describe_saved_model, option, read_json_object
 from mmrl.resources import check_memory
+from mmrl.trainer import Trainer
 
 DIGITS = 10
 BOS, SEP = 10, 11
@@ -195,3 +196,23 @@ def heldout_metrics(model: torch.nn.Module, prompts: torch.Tensor) -> dict[str, 
     answers = greedy_answers(model, prompts)
     reward = reversal_reward(prompts, answers)
     return {"heldout_reward": reward.mean().item(), "heldout_exact": (reward == 1).float().mean().item()}
+
+
+class DigitReversalTrainer(Trainer):
+    """What the demo trainers share: the fixed prompt sets, the model of ``model`` (built or loaded) and
+    the greedy held-out evaluation. A subclass prepares its training of the model in `setup_training`."""
+
+    heldout: torch.Tensor
+    train_prompts: torch.Tensor
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.heldout, self.train_prompts = split_prompts(cfg.task)
+        self.setup_training(build_model(cfg.model, cfg.task.digits))
+
+    def setup_training(self, model: Qwen2ForCausalLM) -> None:
+        """Check sizes, build the optimizer (`prepare_model_and_optimizer`) and what a step needs."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        return heldout_metrics(self.accelerator.unwrap_model(self.model), self.heldout)

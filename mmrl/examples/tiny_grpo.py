@@ -18,27 +18,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.examples.digits import (
     DIGITS,
+    DigitReversalTrainer,
     TinyModelConfig,
     TinyTaskConfig,
     answer_logprobs,
-    build_model,
     check_task_size,
-    heldout_metrics,
     prompt_tokens,
     reversal_reward,
-    split_prompts,
 )
 from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, LOSSES, SAMPLERS, TRAINERS
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
-from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree, fused_node_advantages
 
 # ---------------------------------------------------------------------------------------------
@@ -217,14 +214,12 @@ def leaf_answers(tree: RolloutTree) -> tuple[list[int], torch.Tensor]:
 
 
 @TRAINERS.register("tiny_grpo")
-class TinyGRPOTrainer(Trainer):
+class TinyGRPOTrainer(DigitReversalTrainer):
     config_class = TinyGRPOConfig
     config: TinyGRPOConfig
 
-    def setup(self) -> None:
+    def setup_training(self, model: Qwen2ForCausalLM) -> None:
         cfg = self.config
-        self.heldout, self.train_prompts = split_prompts(cfg.task)
-        model = build_model(cfg.model, cfg.task.digits)
         check_rollout_size(cfg, model.config, self.accelerator.num_processes, self.accelerator.device)
         self.reference = copy.deepcopy(model).requires_grad_(False) if cfg.train.kl_coef > 0 else None
         warmup = cfg.train.warmup_steps
@@ -242,9 +237,6 @@ class TinyGRPOTrainer(Trainer):
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
-
-    def evaluate(self) -> dict[str, float]:
-        return heldout_metrics(self.accelerator.unwrap_model(self.model), self.heldout)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config

@@ -9,20 +9,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import Qwen2ForCausalLM
 
 from mmrl.config import BaseConfig, option
 from mmrl.examples.digits import (
     DIGITS,
+    DigitReversalTrainer,
     TinyModelConfig,
     TinyTaskConfig,
     answer_logprobs,
-    build_model,
     check_task_size,
-    heldout_metrics,
-    split_prompts,
 )
 from mmrl.registry import TRAINERS
-from mmrl.trainer import Trainer
 
 
 @dataclass
@@ -46,26 +44,21 @@ class TinySFTConfig(BaseConfig):
 
 
 @TRAINERS.register("tiny_sft")
-class TinySFTTrainer(Trainer):
+class TinySFTTrainer(DigitReversalTrainer):
     """Behaviour cloning on corrupted demonstrations; the result is saved with save_pretrained."""
 
     config_class = TinySFTConfig
     config: TinySFTConfig
 
-    def setup(self) -> None:
-        cfg = self.config
-        self.heldout, self.train_prompts = split_prompts(cfg.task)
-        self.prepare_model_and_optimizer(build_model(cfg.model, cfg.task.digits), lr=cfg.train.lr)
-        self.data_generator = torch.Generator().manual_seed(cfg.seed)
+    def setup_training(self, model: Qwen2ForCausalLM) -> None:
+        self.prepare_model_and_optimizer(model, lr=self.config.train.lr)
+        self.data_generator = torch.Generator().manual_seed(self.config.seed)
 
     def trainer_state(self) -> dict[str, Any]:
         return {"data_generator": self.data_generator.get_state()}
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.data_generator.set_state(state["data_generator"])
-
-    def evaluate(self) -> dict[str, float]:
-        return heldout_metrics(self.accelerator.unwrap_model(self.model), self.heldout)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
