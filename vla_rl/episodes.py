@@ -198,9 +198,11 @@ def run_episodes(
 ) -> list[Outcome]:
     """One episode per reset seed, in waves of len(envs) episodes in lockstep (module docstring). The
     `expert` drives every step without a controller and takes over by the `takeover` rule."""
+    if controller is None and takeover is not None:
+        raise ValueError("a take-over rule needs a controller: without one the expert drives every step")
     if expert is None and (controller is None or takeover is not None):
         raise ValueError(
-            "without a controller, and with a take-over rule, the scripted expert drives: pass expert"
+            "the scripted expert drives without a controller or under a take-over rule: pass expert"
         )
     supervisor = Supervisor(takeover, len(envs)) if takeover is not None else None
     outcomes: list[Outcome] = []
@@ -241,10 +243,10 @@ def _run_wave(
     outcomes: list[Outcome | None] = [None] * n
     while any(outcome is None for outcome in outcomes):
         rows = [j for j in range(n) if outcomes[j] is None]
-        policy_rows = (
-            [j for j in rows if not (supervisor and supervisor.expert_drives(j))] if controller else []
-        )
-        proposed = controller.propose(obs, instructions, policy_rows) if controller is not None else None
+        proposed, policy_rows = None, []
+        if controller is not None:  # every step, whoever drives: `policy.act` moves all rows' queues at once
+            policy_rows = [j for j in rows if supervisor is None or not supervisor.expert_drives(j)]
+            proposed = controller.propose(obs, instructions, policy_rows)
         for j in rows:
             env = envs[j]
             by_expert, expert_action, chunk_index = j not in policy_rows, None, -1

@@ -96,7 +96,8 @@ class _Cohort:
 
 
 class LeRobotPolicy(nn.Module):
-    """A LeRobot policy with `VLAPolicy`'s `act` / `reset` / `config.image_size` for `run_episodes`."""
+    """A LeRobot policy with `VLAPolicy`'s `act` / `reset` / `config.image_size`, so that the episode loop
+    (`vla_rl.episodes.PolicyActs`) runs it like a VLAPolicy."""
 
     def __init__(self, policy: nn.Module, preprocessor: Any, postprocessor: Any) -> None:
         super().__init__()
