@@ -123,7 +123,7 @@ def test_sampled_actions_are_repeatable(policies, tmp_path):
 @needs_rendering
 def test_expert_takeover_rule(policies, tmp_path):
     # threshold 0 and patience 1: the expert takes over at the first step and keeps the episode
-    always = run(
+    results = run(
         policies[:1],
         tmp_path / "always",
         "episodes=2",
@@ -131,7 +131,10 @@ def test_expert_takeover_rule(policies, tmp_path):
         "takeover_threshold=0",
         "takeover_patience=1",
         "takeover_steps=100",
-    )["policies"][policies[0]]
+        "takeover_release_guard=true",  # Reach holds nothing: the guard never fires there
+    )
+    assert results["takeover"] == {"threshold": 0.0, "patience": 1, "steps": 100, "release_guard": True}
+    always = results["policies"][policies[0]]
     assert always["interventions"] == 2 and always["episodes_with_interventions"] == 2
     assert always["per_episode"]["expert_steps"] == always["per_episode"]["steps"]
     assert (
