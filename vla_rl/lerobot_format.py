@@ -424,4 +424,3 @@ class DatasetWriter:
         return (
             flat if feature["shape"] == [1] else pa.FixedSizeListArray.from_arrays(flat, feature["shape"][0])
         )
-
