@@ -92,9 +92,8 @@ def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        # An untrained SD3-architecture model (0.6M parameters) keeps the bench at about 2 minutes;
-        # the ratios come from the tree shapes and what each variant trains, not from the weights.
-        # The shipped UNet default is about 4x slower per forward on a CPU.
+        # An untrained small SD3-architecture model keeps the bench short: the ratios come from the
+        # tree shapes and what each variant trains, not from the weights.
         FlowPipeline.tiny(vocabulary()).save_pretrained(f"{tmp}/model")
         trainers = {
             name: _trainer(overrides, f"{tmp}/{i}", f"{tmp}/model")

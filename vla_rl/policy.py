@@ -16,9 +16,9 @@ weights and normalisation statistics saved as model.safetensors).
   must find the cube in the image.
 - Auxiliary head (training only, `state_index`): a linear map from the image keypoints and instruction
   state to privileged object positions of the simulator (the instructed cube's and pad's), standardised.
-  Behaviour cloning alone taught the encoder to find the objects poorly: the 42% base's failed
-  releases lay a median 9 cm from the pad. The labels are free in simulation; the head is never used
-  to act.
+  Behaviour cloning alone taught the encoder to find the objects poorly: the base's failed releases
+  lay centimetres from the pad (docs/results.md, "Robot base"). The labels are free in simulation; the
+  head is never used to act.
 - Head: an MLP over the concatenated features gives, for each of `horizon` future actions, the mean and
   the (state-dependent, bounded) standard deviation of a `ClippedGaussian` over [-1, 1].
 

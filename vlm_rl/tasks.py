@@ -101,7 +101,7 @@ _COLOUR_LABELS = {name: i + 1 for i, name in enumerate(COLOURS)}
 _PALETTE = [round(255 * v) for colour in (BACKGROUND, *COLOURS.values()) for v in colour]
 _SUBSAMPLES = 4  # per pixel side, when the silhouette reader draws its templates
 # a template pixel is in the silhouette from this fraction covered: resizing blurs edges, so a pixel
-# must be mostly covered to reach coverage 0.5 in a view (set for the best crop accuracy, of 0.3-0.7)
+# must be mostly covered to reach coverage 0.5 in a view (the value of the range tried that read crops best)
 _TEMPLATE_FILL = 0.7
 
 
