@@ -81,7 +81,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate"])
 def test_resume_skips_corrupt_newest_checkpoint(tmp_path, damage):
-    run_dir = tmp_path / "run"
+    run_dir, straight = tmp_path / "run", tmp_path / "straight"
+    reference = mmrl(
+        "train", "core/tiny_grpo", f"output_dir={straight}", *ARGS
+    )  # alongside, on the other core
     first = mmrl("train", "core/tiny_grpo", f"output_dir={run_dir}", *ARGS, "steps=8")
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err.decode()
@@ -91,8 +94,7 @@ def test_resume_skips_corrupt_newest_checkpoint(tmp_path, damage):
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err.decode()
     assert "skipping checkpoint" in err.decode() and "step_00000008" in err.decode()
-    straight = tmp_path / "straight"
-    ref = mmrl("train", "core/tiny_grpo", f"output_dir={straight}", *ARGS)
-    ref.communicate(timeout=300)
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err.decode()
     a, b = final_weights(straight), final_weights(run_dir)
     assert all((a[k] == b[k]).all() for k in a)
