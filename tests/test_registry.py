@@ -4,9 +4,10 @@ config option that accepts only some kinds refuses the others in one line naming
 import pytest
 
 from mmrl import registry
-from mmrl.cli import main
+from mmrl.cli import load_plugins, main
 from mmrl.registry import ADVANTAGES, LOSSES, EntryKind, Registry, UnknownNameError
 
+load_plugins()
 GROUP_OR_TREE = "grpo, grpo_global_std, mc_grpo, rloo, tree_depthwise"
 
 
