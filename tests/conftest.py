@@ -30,6 +30,8 @@ CI_PROVIDES = {  # words of a skip reason -> what installs the missing piece
 }
 HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
 NO_ROBOT = "the robot extra (mujoco, gymnasium) is not installed"
+if HAS_ROBOT:
+    import sim  # noqa: F401  (before a test module imports mujoco: sim selects the headless EGL backend)
 HAS_FETCH = HAS_ROBOT and importlib.util.find_spec("gymnasium_robotics") is not None
 NO_FETCH = "the fetch extra (gymnasium-robotics) is not installed"
 ROBOT_MODULES = frozenset(
@@ -49,11 +51,9 @@ ROBOT_MODULES = frozenset(
 
 @functools.cache
 def headless_rendering_error() -> str | None:
-    """Why MuJoCo cannot render camera frames here (None when it can); imports sim first, which selects
-    the headless EGL backend before mujoco loads."""
+    """Why MuJoCo cannot render camera frames here (None when it can)."""
     if not HAS_ROBOT:
         return NO_ROBOT
-    import sim  # noqa: F401
     from sim.render import headless_rendering_error as error
 
     reason = error()

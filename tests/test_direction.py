@@ -6,7 +6,6 @@ anywhere between reward and optimizer step fails here. HABC's per-chunk actor we
 exploration's kept leaves are checked on inputs whose right answer is known by construction."""
 
 import copy
-import importlib.util
 
 import numpy as np
 import pytest
@@ -262,13 +261,12 @@ class ScriptedCritics(torch.nn.Module):
         return torch.logit(state[:, 0].double()).float(), state[:, 1]
 
 
+@pytest.mark.needs_robot
 def test_habc_per_chunk_weights_follow_the_gated_advantage():
     """Four successful policy episodes of 4 steps, two chunks of 2 steps each. The first chunks are
     compared in pairs whose viability and efficiency advantages disagree in order: where V_v is low
     the gate is near 0 and the chunk that raises viability must weigh more; where V_v is high the gate
     is near 1 and the chunk that saves steps must weigh more."""
-    if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-        pytest.skip("the robot extra (mujoco, gymnasium) is not installed")
     from vla_rl.baselines import BUFFER_METHODS
     from vla_rl.buffer import ReplayBuffer
     from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY

@@ -3,7 +3,6 @@ a short seeded run gives the same metrics, held-out numbers and final weights bi
 CPU). A refactor must leave these unchanged; a change of numbers that is meant re-records them
 (`python tests/pinned_runs.py --record NAME`) and says why in its commit."""
 
-import importlib.util
 import json
 
 import pytest
@@ -13,8 +12,6 @@ from mmrl.cli import load_plugins
 
 load_plugins()
 EXPECTED = json.loads(PINNED.read_text())
-HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
-needs_robot = pytest.mark.skipif(not HAS_ROBOT, reason="the robot extra (mujoco, gymnasium) is not installed")
 
 
 def test_every_training_recipe_is_pinned():
@@ -28,7 +25,7 @@ def test_every_training_recipe_is_pinned():
 
 
 @pytest.mark.parametrize(
-    "recipe", [pytest.param(r, marks=needs_robot) if r.startswith("vla/") else r for r in RUNS]
+    "recipe", [pytest.param(r, marks=pytest.mark.needs_robot) if r.startswith("vla/") else r for r in RUNS]
 )
 def test_recipe_computes_what_was_pinned(recipe, tmp_path):
     got = fingerprint(recipe, RUNS[recipe], tmp_path / "run")
@@ -38,6 +35,6 @@ def test_recipe_computes_what_was_pinned(recipe, tmp_path):
     assert got["weights"] == expected["weights"]
 
 
-@needs_robot
+@pytest.mark.needs_robot
 def test_robot_loops_compute_what_was_pinned(tmp_path):
     assert robot_loops(tmp_path) == EXPECTED["robot_loops"]

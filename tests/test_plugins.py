@@ -1,7 +1,6 @@
 """User code plugs into the `mmrl` command: a task of the user's own (outside the repository) with its
 expert, an instruction in words the built-in vocabulary lacks, and state split by named slices."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,13 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import sim  # noqa: E402
-from mmrl.cli import main  # noqa: E402
-from mmrl.registry import REWARDS  # noqa: E402
-from vla_rl.policy import PAD, UNK, VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
+import sim
+from mmrl.cli import main
+from mmrl.registry import REWARDS
+from vla_rl.policy import PAD, UNK, VLAConfig, VLAPolicy, task_vocabulary
 
 MMRL = str(Path(sys.executable).with_name("mmrl"))
 TASK = "PointReach-v0"
@@ -200,8 +196,8 @@ def test_a_policy_meeting_new_words_warns_once_and_add_words_keeps_its_actions()
     assert task_vocabulary([INSTRUCTION.upper()]) == [PAD, UNK, *sorted({*task_vocabulary()[2:], *NEW_WORDS})]
 
 
+@pytest.mark.needs_fetch  # FetchReach
 def test_named_slices_on_a_real_env():
-    pytest.importorskip("gymnasium_robotics", reason="FetchReach needs the fetch extra")
     task = sim.ExternalTask(
         env_id="FetchReach-v4",
         package="gymnasium_robotics",
@@ -230,14 +226,12 @@ def test_named_slices_on_a_real_env():
     env.close()
 
 
+@pytest.mark.needs_fetch  # FetchReach
+@pytest.mark.needs_rendering
 def test_fine_tuning_adds_the_task_words_the_policy_lacks(tmp_path, capsys):
-    pytest.importorskip("gymnasium_robotics", reason="FetchReach needs the fetch extra")
     from mmrl.config import load_config
-    from sim.render import headless_rendering_error
     from vla_rl.trainer import VLAHABCTrainer
 
-    if headless_rendering_error() is not None:
-        pytest.skip("no headless rendering")
     lacking = [w for w in task_vocabulary() if w not in ("gripper", "ball")]
     tiny = {
         "image_size": 16,

@@ -203,8 +203,8 @@ def test_vlm_rollouts_too_big(overrides, expected):
         check_rollout_size(config, tiny_vlm_config(), (20000, 256), 1, CPU)
 
 
+@pytest.mark.needs_robot
 def test_vla_environments_too_many():
-    pytest.importorskip("mujoco", reason="the robot extra is not installed")
     from vla_rl.config import check_env_size
 
     config = load_config("vla/habc", ["rollout.num_envs=1000", "rollout.env_steps=8000"])

@@ -4,18 +4,13 @@ import dataclasses
 import importlib.util
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.utils.env_checker import check_env
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import gymnasium as gym  # noqa: E402
-from gymnasium.utils.env_checker import check_env  # noqa: E402
-
-import sim  # noqa: E402
-from sim.adapters import SuccessAdapter, make_external  # noqa: E402
-from sim.render import headless_rendering_error  # noqa: E402
+import sim
+from sim.adapters import SuccessAdapter, make_external
 
 needs_gym_mujoco = pytest.mark.skipif(
     importlib.util.find_spec("imageio") is None,
@@ -47,7 +42,7 @@ def test_reacher_with_a_success_function():
 
 
 @needs_gym_mujoco
-@pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering here")
+@pytest.mark.needs_rendering
 def test_reacher_images_through_render():
     env = make_external("Reacher-v5", "reach", success_fn=near_target, image=True, width=48, height=48)
     obs, _ = env.reset(seed=0)

@@ -1,26 +1,16 @@
 """The MuJoCo tasks: gymnasium API, spaces, determinism, instructions, randomisation and faults."""
 
-import importlib.util
 import re
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.utils.env_checker import check_env
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import gymnasium as gym  # noqa: E402
-from gymnasium.utils.env_checker import check_env  # noqa: E402
-
-import sim  # noqa: E402  (before anything imports mujoco: sim selects the headless EGL backend)
-from sim.render import headless_rendering_error  # noqa: E402
+import sim
 
 TASK_IDS = list(sim.TASKS)
-RENDER_ERROR = headless_rendering_error()
-needs_rendering = pytest.mark.skipif(
-    RENDER_ERROR is not None, reason=f"no headless rendering: {RENDER_ERROR}"
-)
 
 
 def rollout(env, seed, actions):
@@ -32,7 +22,7 @@ def rollout(env, seed, actions):
     return np.stack(states)
 
 
-@needs_rendering  # check_env also renders every mode in the env's metadata
+@pytest.mark.needs_rendering  # check_env also renders every mode in the env's metadata
 @pytest.mark.parametrize("task", TASK_IDS)
 @pytest.mark.parametrize("options", [{}, {"randomize": True, "distractors": 2}])
 def test_env_checker_state(task, options):
@@ -43,7 +33,7 @@ def test_env_checker_state(task, options):
     env.close()
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 @pytest.mark.parametrize("task", TASK_IDS)
 @pytest.mark.parametrize("obs_mode", ["rgb", "state+rgb"])
 def test_env_checker_images(task, obs_mode):

@@ -1,18 +1,11 @@
 """Vectorised stepping through gymnasium's make_vec."""
 
-import importlib.util
-
+import gymnasium as gym
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import gymnasium as gym  # noqa: E402
-
-import sim  # noqa: E402, F401  (registers the tasks; selects headless EGL before mujoco loads)
-from sim.experts import expert_for  # noqa: E402
-from sim.render import headless_rendering_error  # noqa: E402
+import sim  # noqa: F401  (registers the tasks)
+from sim.experts import expert_for
 
 
 def test_make_vec_sync_shapes_and_expert_batch():
@@ -30,7 +23,7 @@ def test_make_vec_sync_shapes_and_expert_batch():
     envs.close()
 
 
-@pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering here")
+@pytest.mark.needs_rendering
 def test_make_vec_images():
     envs = gym.make_vec("mmrl/Reach-v0", num_envs=2, vectorization_mode="sync", obs_mode="rgb", image_size=32)
     obs, _ = envs.reset(seed=0)

@@ -1,7 +1,6 @@
 """LeRobot v3.0 datasets: written and read back exactly, malformed ones refused with the problem named;
 the replay buffer's kinds, eviction, sampling and resume; expert demonstrations recorded in sim."""
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -28,10 +27,6 @@ FEATURES = {
 }
 EPISODES = [(4, "pick the red cube", True), (3, "push the blue cube", False), (5, "pick the red cube", True)]
 DATA_FILE = "data/chunk-000/file-000.parquet"
-needs_sim = pytest.mark.skipif(
-    importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None,
-    reason="the robot extra (mujoco, gymnasium) is not installed",
-)
 
 
 def make_episodes(seed=0):
@@ -492,7 +487,7 @@ def test_config_keys_name_the_dataset_that_does_not_fit(root, tmp_path):
         open_dataset(integers, "data.path", FITS)
 
 
-@needs_sim
+@pytest.mark.needs_robot
 def test_pretrain_refuses_a_bad_data_path_before_writing_anything(root, tmp_path):
     from mmrl.config import load_config
     from vla_rl.pretrain import VLABCConfig, demonstrations
@@ -534,16 +529,12 @@ def test_pretrain_refuses_a_bad_data_path_before_writing_anything(root, tmp_path
         demonstrations(load_config("pretrain/vla", [f"output_dir={out}"]), out)
 
 
-@needs_sim
+@pytest.mark.needs_rendering  # HABC renders camera frames
 def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
-    import sim  # noqa: F401  (selects headless rendering before mujoco loads)
     from mmrl.config import load_config
-    from sim.render import headless_rendering_error
     from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
     from vla_rl.trainer import VLAHABCTrainer
 
-    if headless_rendering_error() is not None:
-        pytest.skip("HABC renders camera frames; no headless rendering here")
     policy = VLAConfig(vocabulary=task_vocabulary(), image_size=16, channels=[4], keypoints=4, hidden=8)
     VLAPolicy(policy).save_pretrained(tmp_path / "policy")
     (root / "meta/info.json").write_text("[]")
@@ -683,7 +674,7 @@ def test_buffer_exports_whole_episodes(tmp_path):
 # ----- recording in sim ----------------------------------------------------------------------------
 
 
-@needs_sim
+@pytest.mark.needs_robot
 def test_record_expert_demonstrations_on_reach(tmp_path):
     import sim
 
@@ -701,7 +692,7 @@ def test_record_expert_demonstrations_on_reach(tmp_path):
         obs, *_ = env.step(action.numpy())
 
 
-@needs_sim
+@pytest.mark.needs_robot
 def test_record_with_images_and_with_a_policy(tmp_path):
     import sim
 
@@ -724,7 +715,7 @@ def test_record_with_images_and_with_a_policy(tmp_path):
     assert ds[0]["policy_executed"] and not ds[0]["is_intervention"]
 
 
-@needs_sim
+@pytest.mark.needs_robot
 def test_noisy_execution_records_the_clean_expert_actions(tmp_path):
     """DART: the executed actions are perturbed, the recorded labels are the expert's own actions at the
     states the perturbed run visited; the noise changes the path, and a second recording repeats it."""

@@ -1,7 +1,6 @@
 """`mmrl eval vla` (policies side by side on the same seeded episodes, expert takeovers, GIFs, clear
 errors) and `mmrl bench vla` at a tiny size, with tiny random policies saved to tmp_path."""
 
-import importlib.util
 import json
 import math
 
@@ -9,27 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import sim  # noqa: E402, F401  (selects headless EGL before mujoco loads)
-import vla_rl.register  # noqa: E402, F401  (registers bench and evaluator "vla")
-from mmrl.bench_all import ratio_rows  # noqa: E402
-from mmrl.cli import main  # noqa: E402
-from mmrl.config import ConfigError  # noqa: E402
-from mmrl.registry import BENCHES, EVALUATORS  # noqa: E402
-from sim.render import headless_rendering_error  # noqa: E402
-from vla_rl.bench import bench_vla  # noqa: E402
-from vla_rl.evaluate import (  # noqa: E402
+import vla_rl.register  # noqa: F401  (registers bench and evaluator "vla")
+from mmrl.bench_all import ratio_rows
+from mmrl.cli import main
+from mmrl.config import ConfigError
+from mmrl.registry import BENCHES, EVALUATORS
+from vla_rl.bench import bench_vla
+from vla_rl.evaluate import (
     VLAPoliciesEvalConfig,
     eval_vla,
     evaluate_policies,
     evaluate_policy,
     wilson_interval,
 )
-from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
+from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 
-needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 SIZE = 32
 
 
@@ -88,7 +81,7 @@ def test_registered():
     assert EVALUATORS.get("vla") is eval_vla and BENCHES.get("vla") is bench_vla
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_two_policies_side_by_side_same_seeds_same_results(policies, tmp_path, capsys):
     first = run(policies, tmp_path / "a", "episodes=3", "num_envs=2")
     second = run(policies, tmp_path / "b", "episodes=3", "num_envs=2")
@@ -112,7 +105,7 @@ def test_two_policies_side_by_side_same_seeds_same_results(policies, tmp_path, c
     assert "95% CI" in printed and policies[1] in printed and "eval_vla.json" in printed
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_sampled_actions_are_repeatable(policies, tmp_path):
     args = ("episodes=2", "num_envs=2", "deterministic=false")
     first = run(policies[:1], tmp_path / "a", *args)["policies"][policies[0]]["per_episode"]
@@ -120,7 +113,7 @@ def test_sampled_actions_are_repeatable(policies, tmp_path):
     assert first == second
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_expert_takeover_rule(policies, tmp_path):
     # threshold 0 and patience 1: the expert takes over at the first step and keeps the episode
     results = run(
@@ -157,7 +150,7 @@ def test_expert_takeover_rule(policies, tmp_path):
     assert short["interventions"] > 1 and short["expert_steps"] <= 2 * short["interventions"]
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_videos_are_readable_gifs(policies, tmp_path):
     from PIL import Image
 
@@ -176,7 +169,7 @@ def test_videos_are_readable_gifs(policies, tmp_path):
                 assert total_ms == 100 * (entry["per_episode"]["steps"][k] + 1)
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_evaluate_policy_keeps_its_summary():
     result = evaluate_policy(tiny_policy(0), "Reach", 2, 5, num_envs=2, progress=False)
     assert set(result) == {"success_rate", "success_ci_low", "success_ci_high", "episodes", "mean_steps"}
@@ -212,14 +205,14 @@ def test_config_defaults_match_the_held_out_seeds():
     assert VLAPoliciesEvalConfig().seed == 1_000_000 and VLAPoliciesEvalConfig().task == "PickPlace"
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_evaluate_policies_refuses_unknown_task_before_loading(policies, tmp_path):
     cfg = VLAPoliciesEvalConfig(policies=policies, task="Reachh", output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="Did you mean 'mmrl/Reach-v0'"):
         evaluate_policies(cfg)
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_bench_vla_tiny(capsys):
     rows = bench_vla(steps=3, num_envs=2, repeats=1, image_size=SIZE)
     assert [row["section"] for row in rows] == ["(a)", "(a)", "(b)", "(c)", "(c)"]
@@ -254,7 +247,7 @@ def test_bench_vla_bad_options(tmp_path):
         bench_vla(model=str(tmp_path / "nope"))
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_the_shipped_base_is_found_from_any_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     results = eval_vla(

@@ -1,28 +1,19 @@
 """The vla trainers on an external task the project did not write: gymnasium-robotics' FetchReach-v4,
 through sim.adapters (the config's task, the scripted expert, behaviour cloning and HABC end to end)."""
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
+import sim
+from mmrl.config import load_config
+from sim.experts import expert_for
+from vla_rl.policy import UNK, VLAConfig, VLAPolicy, task_vocabulary
+from vla_rl.pretrain import VLABCTrainer
+from vla_rl.trainer import VLAHABCTrainer
 
-import sim  # noqa: E402  (selects headless EGL before gymnasium_robotics loads mujoco)
-
-pytest.importorskip(
-    "gymnasium_robotics", reason="FetchReach needs the fetch extra (pip install -e '.[fetch]')"
-)
-from mmrl.config import load_config  # noqa: E402
-from sim.experts import expert_for  # noqa: E402
-from sim.render import headless_rendering_error  # noqa: E402
-from vla_rl.policy import UNK, VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
-from vla_rl.pretrain import VLABCTrainer  # noqa: E402
-from vla_rl.trainer import VLAHABCTrainer  # noqa: E402
-
-needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
+pytestmark = pytest.mark.needs_fetch
 TASK = "FetchReach-v4"
 SIZE = 32
 TINY_MODEL = ["model.channels=[8,8]", "model.keypoints=8", "model.hidden=32", "model.horizon=4"]
@@ -44,7 +35,7 @@ def test_the_recipe_builds_the_external_task():
     env.close()
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_camera_frames_at_the_configured_size():
     env = sim.make(TASK, obs_mode="rgb", image_size=SIZE)
     obs, _ = env.reset(seed=0)
@@ -70,7 +61,7 @@ def test_the_expert_reaches_every_goal_and_takes_over_from_a_stray_state():
     env.close()
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_behaviour_cloning_end_to_end(tmp_path):
     overrides = [f"output_dir={tmp_path}", "steps=30", "checkpoint_every=30", "progress=false"]
     overrides += ["data.episodes=8", f"data.image_size={SIZE}", "eval.episodes=1", "eval.num_envs=1"]
@@ -86,7 +77,8 @@ def test_behaviour_cloning_end_to_end(tmp_path):
     assert (policy.config.proprio_dim, policy.config.action_dim) == (13, 4)
 
 
-@needs_rendering
+@pytest.mark.slow
+@pytest.mark.needs_rendering
 def test_habc_end_to_end(tmp_path):
     tiny = {"image_size": SIZE, "channels": [8, 8], "keypoints": 8, "hidden": 32, "horizon": 4}
     config = VLAConfig(vocabulary=task_vocabulary(), proprio_dim=13, action_dim=4, n_action_steps=2, **tiny)

@@ -1,7 +1,6 @@
 """HABC online fine-tuning: gate and advantage math, clipped weights, intervention-aware credit,
 every method end to end on a tiny policy, exact resume, config errors."""
 
-import importlib.util
 import json
 import math
 
@@ -9,17 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import sim  # noqa: E402, F401  (selects headless EGL before mujoco loads)
-from mmrl.config import ConfigError, load_config  # noqa: E402
-from sim.render import headless_rendering_error  # noqa: E402
-from vla_rl.buffer import ReplayBuffer  # noqa: E402
-from vla_rl.curves import episodes_to, plot_success, success_curve  # noqa: E402
-from vla_rl.dataset import RobotDataset  # noqa: E402
-from vla_rl.grpo import update_grpo  # noqa: E402
-from vla_rl.habc import (  # noqa: E402
+import sim
+from mmrl.config import ConfigError, load_config
+from vla_rl.buffer import ReplayBuffer
+from vla_rl.curves import episodes_to, plot_success, success_curve
+from vla_rl.dataset import RobotDataset
+from vla_rl.grpo import update_grpo
+from vla_rl.habc import (
     Gate,
     Head,
     Weighting,
@@ -33,14 +28,13 @@ from vla_rl.habc import (  # noqa: E402
     segment_returns,
     viability_rewards,
 )
-from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY  # noqa: E402
-from vla_rl.online import Transitions  # noqa: E402
-from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary  # noqa: E402
-from vla_rl.pretrain import frame_tensors  # noqa: E402
-from vla_rl.recording import record_episodes  # noqa: E402
-from vla_rl.trainer import VLAHABCTrainer  # noqa: E402
+from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
+from vla_rl.online import Transitions
+from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
+from vla_rl.pretrain import frame_tensors
+from vla_rl.recording import record_episodes
+from vla_rl.trainer import VLAHABCTrainer
 
-needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 SIZE = 32
 TINY = [
     "rollout.task=Reach",
@@ -210,7 +204,7 @@ def test_success_curve_and_episodes_to_80(tmp_path):
 # ----- end to end ------------------------------------------------------------------------------
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 @pytest.mark.parametrize("method", ["awr", "bc", "dagger", "grpo"])
 def test_each_baseline_runs_end_to_end(tmp_path, tiny_policy_dir, method):
     extra = ["rollout.group_size=2"] if method == "grpo" else []
@@ -253,7 +247,7 @@ def demo_nll(policy, root):
     return -float(logp.mean())
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_per_chunk_habc_with_demonstrations_mixed_in(tmp_path, tiny_policy_dir, reach_demos):
     before = demo_nll(VLAPolicy.from_pretrained(tiny_policy_dir), reach_demos)
     trainer, _ = run(
@@ -266,7 +260,7 @@ def test_per_chunk_habc_with_demonstrations_mixed_in(tmp_path, tiny_policy_dir, 
     assert demo_nll(trainer.policy, reach_demos) < before - 1.0
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_actor_updates_keep_training_the_auxiliary_object_positions(tmp_path, reach_demos):
     torch.manual_seed(0)
     policy = VLAPolicy(tiny_config(state_index=[9, 10, 11]))
@@ -291,7 +285,7 @@ def test_actor_updates_keep_training_the_auxiliary_object_positions(tmp_path, re
     assert losses[1] < 0.7 * min(losses[0], state_loss(policy)), (losses, state_loss(policy))
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_demo_episodes_are_recorded_into_the_run_and_read_back_on_resume(tmp_path, tiny_policy_dir):
     trainer, _ = run(tmp_path, tiny_policy_dir, "train.demo_episodes=2", "train.demo_fraction=1.0")
     demos = RobotDataset(tmp_path / "demos")
@@ -314,7 +308,7 @@ def test_demo_episodes_are_recorded_into_the_run_and_read_back_on_resume(tmp_pat
         load_config("vla/habc", ["train.demos=somewhere", "train.demo_episodes=2"])
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_demonstrations_that_do_not_fit_the_policy_are_named(tmp_path, tiny_policy_dir):
     root = tmp_path / "demos16"
     record_episodes("Reach", None, 1, 0, root, obs_mode="state+rgb", image_size=16)
@@ -327,7 +321,7 @@ def test_demonstrations_that_do_not_fit_the_policy_are_named(tmp_path, tiny_poli
         run(tmp_path / "run2", tiny_policy_dir, f"train.demos={tmp_path / 'nowhere'}")
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path):
     torch.manual_seed(0)
     VLAPolicy(tiny_config(state_index=[9, 10, 11])).save_pretrained(tmp_path / "base")
@@ -365,7 +359,7 @@ def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path):
         env.close()
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_habc_resume_repeats_the_next_iteration_exactly(tmp_path, tiny_policy_dir, schedule):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"

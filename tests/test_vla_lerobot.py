@@ -6,7 +6,6 @@ nothing is downloaded; it needs transformers < 5, as LeRobot's smolvla extra pin
 Only the missing-LeRobot tests run without LeRobot; the others skip with the reason (LeRobot pins an
 older torch, so it lives in a separate venv: README, LeRobot policies)."""
 
-import importlib.util
 import json
 import sys
 
@@ -28,15 +27,6 @@ def _lerobot_error() -> str | None:
     return None
 
 
-def _sim_error() -> str | None:
-    if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-        return "the robot extra (mujoco, gymnasium) is not installed"
-    import sim  # noqa: F401  (selects headless EGL before mujoco loads)
-    from sim.render import headless_rendering_error
-
-    return headless_rendering_error()
-
-
 def _smolvla_error() -> str | None:
     if LEROBOT_ERROR is not None:
         return LEROBOT_ERROR
@@ -48,7 +38,7 @@ def _smolvla_error() -> str | None:
     return None
 
 
-LEROBOT_ERROR, SIM_ERROR = _lerobot_error(), _sim_error()
+LEROBOT_ERROR = _lerobot_error()
 SMOLVLA_ERROR = _smolvla_error()
 needs_lerobot = pytest.mark.skipif(
     LEROBOT_ERROR is not None,
@@ -362,11 +352,8 @@ def test_reset_of_some_rows_gives_them_a_fresh_chunk(tmp_path):
     assert len(adapter._cohorts) == 2
 
 
-needs_sim = pytest.mark.skipif(SIM_ERROR is not None, reason=f"no sim: {SIM_ERROR}")
-
-
 @needs_lerobot
-@needs_sim
+@pytest.mark.needs_rendering
 @pytest.mark.parametrize("kind", KINDS)
 def test_evaluate_policy_on_reach(tmp_path, kind):
     import sim
@@ -383,7 +370,7 @@ def test_evaluate_policy_on_reach(tmp_path, kind):
 
 
 @needs_lerobot
-@needs_sim
+@pytest.mark.needs_rendering
 def test_eval_vla_with_takeovers(tmp_path):
     """`mmrl eval vla` on LeRobot directories; expert takeovers hand single rows back (reset(rows))."""
     from vla_rl.evaluate import eval_vla

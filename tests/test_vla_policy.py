@@ -2,7 +2,6 @@
 cloning on recorded demonstrations, and `mmrl pretrain vla` end to end with its config errors."""
 
 import dataclasses
-import importlib.util
 import json
 import math
 
@@ -10,21 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-import sim  # noqa: E402  (selects headless EGL before mujoco loads)
-import vla_rl.register  # noqa: E402, F401  (registers vla_bc until the entry point is installed)
-from mmrl.cli import load_plugins, main  # noqa: E402
-from mmrl.config import ConfigError, load_config  # noqa: E402
-from sim.render import headless_rendering_error  # noqa: E402
-from vla_rl.evaluate import wilson_interval  # noqa: E402
-from vla_rl.policy import UNK, ClippedGaussian, VLAConfig, VLAPolicy, chunk_nll, task_vocabulary  # noqa: E402
-from vla_rl.pretrain import frame_tensors, object_positions  # noqa: E402
-from vla_rl.recording import record_episodes  # noqa: E402
+import sim
+import vla_rl.register  # noqa: F401  (registers vla_bc until the entry point is installed)
+from mmrl.cli import load_plugins, main
+from mmrl.config import ConfigError, load_config
+from vla_rl.evaluate import wilson_interval
+from vla_rl.policy import UNK, ClippedGaussian, VLAConfig, VLAPolicy, chunk_nll, task_vocabulary
+from vla_rl.pretrain import frame_tensors, object_positions
+from vla_rl.recording import record_episodes
 
 load_plugins()
-needs_rendering = pytest.mark.skipif(headless_rendering_error() is not None, reason="no headless rendering")
 SIZE = 32
 TINY_RUN = [
     "steps=4",
@@ -128,7 +122,7 @@ def test_log_prob_of_a_sampled_chunk_and_the_mask():
     torch.testing.assert_close(policy.log_prob(batch, chunk, mask), dist.log_prob(chunk)[:, :2].sum((1, 2)))
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_act_executes_chunks_single_and_batched():
     policy = tiny_policy().eval()
     env = sim.make("PickPlace", obs_mode="rgb", image_size=SIZE)
@@ -178,7 +172,7 @@ def test_bad_policy_config_is_refused():
         VLAConfig(vocabulary=["red"])
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_behaviour_cloning_steps_reduce_the_loss(demos):
     policy = tiny_policy()
     frames = frame_tensors(demos, policy)
@@ -198,7 +192,7 @@ def test_behaviour_cloning_steps_reduce_the_loss(demos):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_the_auxiliary_head_learns_object_positions_from_the_image(demos):
     layout = sim.make("PickPlace").get_wrapper_attr("state_layout")
     index = object_positions(layout, 9)
@@ -219,7 +213,7 @@ def test_the_auxiliary_head_learns_object_positions_from_the_image(demos):
     assert losses[0] > 0.5 and losses[-1] < 0.5 * losses[0], losses
 
 
-@needs_rendering
+@pytest.mark.needs_rendering
 def test_pretrain_vla_end_to_end(tmp_path, capsys):
     assert main(["pretrain", "vla", f"output_dir={tmp_path}", *TINY_RUN]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
