@@ -20,7 +20,6 @@ from vla_rl.lerobot_format import ACTION_KEY, STATE_KEY, DatasetWriter  # noqa: 
 from vla_rl.recording import DatasetFrames  # noqa: E402
 from vla_rl.supervisor import Supervisor, TakeoverRule, action_gap  # noqa: E402
 
-HAS_SIM = importlib.util.find_spec("mujoco") is not None
 AWAY = np.array([1.0, 0, 0, 0, 1.0], np.float32)  # the toy policy's step away from home
 TOWARD = np.array([-1.0, 0, 0, 0, 1.0], np.float32)  # the toy expert's step from x >= 1
 OPEN = np.array([0, 0, 0, 0, -1.0], np.float32)
@@ -255,7 +254,7 @@ def test_waves_keep_the_seeds_order_and_a_dataset_saves_episodes_in_it(tmp_path)
 # ----- on the sim tasks -------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_SIM, reason="the robot extra (mujoco) is not installed")
+@pytest.mark.needs_robot
 def test_a_recording_equals_the_loop_it_replaced(tmp_path):
     """The old recording loop, written out: one env, reset with seed + k, the expert's action recorded,
     the action plus noise from default_rng(seed + k) executed."""
@@ -284,7 +283,7 @@ def test_a_recording_equals_the_loop_it_replaced(tmp_path):
     env.close()
 
 
-@pytest.mark.skipif(not HAS_SIM, reason="the robot extra (mujoco) is not installed")
+@pytest.mark.needs_robot
 def test_training_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(monkeypatch):
     """A policy step that would open the gripper where a release fails is never executed: the expert
     drives from that step on. Every release is made to fail here, so the first sampled opening (about

@@ -2,26 +2,22 @@
 with what weight), HABC's actor weights, AWR's Monte-Carlo returns, GRPO's chunks and its config
 options looked up in the registries."""
 
-import importlib.util
 import math
 
 import numpy as np
 import pytest
 import torch
 
-if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gymnasium") is None:
-    pytest.skip("the robot extra (mujoco, gymnasium) is not installed", allow_module_level=True)
-
-from mmrl.advantages import Advantages  # noqa: E402
-from mmrl.config import ConfigError, load_config  # noqa: E402
-from vla_rl.baselines import BUFFER_METHODS, monte_carlo_returns  # noqa: E402
-from vla_rl.buffer import ReplayBuffer  # noqa: E402
-from vla_rl.config import METHODS  # noqa: E402
-from vla_rl.grpo import group_advantages, sampled_chunks  # noqa: E402
-from vla_rl.habc import CriticTargets, Gate, Head, Weighting, advantage_weights, critic_losses, habc_weights  # noqa: E402
-from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY  # noqa: E402
-from vla_rl.online import Episode, Transitions  # noqa: E402
-from vla_rl.trainer import VLAHABCTrainer  # noqa: E402, F401  (registers vla_habc for load_config)
+from mmrl.advantages import Advantages
+from mmrl.config import ConfigError, load_config
+from vla_rl.baselines import BUFFER_METHODS, monte_carlo_returns
+from vla_rl.buffer import ReplayBuffer
+from vla_rl.config import METHODS
+from vla_rl.grpo import group_advantages, sampled_chunks
+from vla_rl.habc import CriticTargets, Gate, Head, Weighting, advantage_weights, critic_losses, habc_weights
+from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
+from vla_rl.online import Episode, Transitions
+from vla_rl.trainer import VLAHABCTrainer  # noqa: F401  (registers vla_habc for load_config)
 
 
 def toy_transitions() -> Transitions:
