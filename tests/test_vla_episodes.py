@@ -283,19 +283,16 @@ def test_a_recording_equals_the_loop_it_replaced(tmp_path):
     env.close()
 
 
-@pytest.mark.needs_robot
+@pytest.mark.needs_rendering
 def test_training_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(monkeypatch):
     """A policy step that would open the gripper where a release fails is never executed: the expert
     drives from that step on. Every release is made to fail here, so the first sampled opening (about
     half of a random policy's gripper entries) is where each take-over starts."""
     import sim
     from sim.experts import PickPlaceExpert, expert_for
-    from sim.render import headless_rendering_error
     from vla_rl.online import rollouts
     from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 
-    if headless_rendering_error() is not None:
-        pytest.skip("no headless rendering")
     monkeypatch.setattr(PickPlaceExpert, "release_fails", lambda self, state: True)
     torch.manual_seed(0)
     config = VLAConfig(vocabulary=task_vocabulary(), image_size=32, channels=[8, 8], keypoints=8, hidden=32,
