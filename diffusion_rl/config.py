@@ -172,7 +172,7 @@ class BranchGRPOConfig(BaseConfig):
             )
         if len(r.split_steps) == 1:
             check_group_size(self.train.advantage, r.branch_factor, "rollout.branch_factor")
-        elif not scores_tree_nodes(self.train.advantage):
+        elif not ADVANTAGES.has_kind(self.train.advantage, "tree"):
             raise ConfigError(
                 f"config error: train.advantage = {self.train.advantage!r} scores leaves only, but "
                 f"rollout.split_steps = {r.split_steps} builds trees whose shared edges need node "
@@ -214,10 +214,3 @@ class BranchGRPOConfig(BaseConfig):
                 f"{pool} (explore.branch_factor ** {depths} splits): lower explore.keep or raise "
                 "explore.branch_factor"
             )
-
-
-def scores_tree_nodes(advantage: str) -> bool:
-    """Whether the advantage estimator scores every node of a tree (kind "tree") rather than only the
-    leaves of flat groups (kind "group")."""
-    kind = ADVANTAGES.kind_of(advantage)
-    return kind is not None and kind.name == "tree"

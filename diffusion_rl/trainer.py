@@ -38,7 +38,7 @@ from diffusion_rl.branch_rollout import (
     step_log_probs,
     training_samples,
 )
-from diffusion_rl.config import BranchGRPOConfig, scores_tree_nodes
+from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.quantized_exploration import (
     KeptLeaves,
@@ -325,7 +325,7 @@ class BranchGRPOTrainer(Trainer):
         from a tree estimator on the rewards fused up each tree, or from a group estimator with one
         group per tree over every process's trees (each edge on a leaf's path carries the leaf's)."""
         cfg = self.config
-        if scores_tree_nodes(cfg.train.advantage):
+        if ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
             fusion, clip = cfg.rollout.reward_fusion, cfg.train.adv_clip
             return fused_node_advantages(trees, self.advantage_fn, fusion, clip=clip)
         result = self.advantage_fn(everyone.rewards, everyone.groups)

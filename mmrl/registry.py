@@ -88,6 +88,11 @@ class Registry(Generic[T]):
         kind = self._entry_kinds.get(name)
         return self.kinds[kind] if kind is not None else None
 
+    def has_kind(self, name: str, kind: str) -> bool:
+        """Whether entry `name` was registered as `kind` (e.g. a tree advantage scores every node of a
+        tree, a group one only the leaves of flat groups)."""
+        return self._entry_kinds.get(name) == kind
+
     def names_of_kind(self, kinds: tuple[str, ...]) -> list[str]:
         """Entries of any of `kinds`."""
         return [n for n in self.names() if self._entry_kinds.get(n) in kinds]

@@ -8,10 +8,10 @@ import torch
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.examples.digits import build_model
-from mmrl.examples.tiny_grpo import TinyGRPOTrainer, TinyRolloutConfig, sample_trees, scores_tree_nodes
+from mmrl.examples.tiny_grpo import TinyGRPOTrainer, TinyRolloutConfig, sample_trees
 from mmrl.losses import LossOutput
 from mmrl.noise import NoiseKey
-from mmrl.registry import LOSSES
+from mmrl.registry import ADVANTAGES, LOSSES
 
 load_plugins()
 
@@ -132,7 +132,7 @@ def test_eval_and_report_commands(tmp_path, capsys):
 
 
 def test_tree_estimators_are_recognised_by_their_kind():
-    assert scores_tree_nodes("tree_depthwise") and not scores_tree_nodes("grpo")
+    assert ADVANTAGES.has_kind("tree_depthwise", "tree") and not ADVANTAGES.has_kind("grpo", "tree")
     with pytest.raises(ConfigError, match=r"use a tree advantage \(tree_depthwise\)"):
         load_config("core/tiny_branch_grpo", ["train.advantage=rloo"])
 

@@ -102,7 +102,7 @@ class TinyGRPOConfig(BaseConfig):
             )
         if len(self.rollout.split_positions) == 1:
             check_group_size(self.train.advantage, self.rollout.branch_factor, "rollout.branch_factor")
-        elif not scores_tree_nodes(self.train.advantage):
+        elif not ADVANTAGES.has_kind(self.train.advantage, "tree"):
             trees = ", ".join(ADVANTAGES.names_of_kind(("tree",)))
             raise ConfigError(
                 f"config error: train.advantage = {self.train.advantage!r} scores leaves only, but "
@@ -110,13 +110,6 @@ class TinyGRPOConfig(BaseConfig):
                 f"need node advantages: use a tree advantage ({trees}), or split_positions=[0]"
             )
         check_task_size(self.task)
-
-
-def scores_tree_nodes(advantage: str) -> bool:
-    """Whether the estimator `advantage` scores every node of a tree (kind "tree") rather than the
-    leaves of flat groups (kind "group")."""
-    kind = ADVANTAGES.kind_of(advantage)
-    return kind is not None and kind.name == "tree"
 
 
 def check_rollout_size(cfg: TinyGRPOConfig, model: Qwen2Config, processes: int, device: torch.device) -> None:
@@ -312,7 +305,7 @@ class TinyGRPOTrainer(DigitReversalTrainer):
     def node_advantages(self, trees: list[RolloutTree]) -> dict[tuple[int, int], float]:
         """A(node) for every non-root node, keyed by (tree index, node id)."""
         cfg = self.config
-        if scores_tree_nodes(cfg.train.advantage):
+        if ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
             estimator = ADVANTAGES.get(cfg.train.advantage)
             return fused_node_advantages(trees, estimator, "mean", clip=cfg.train.adv_clip)
         leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
