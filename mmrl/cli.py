@@ -327,7 +327,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     for kind, registry in sorted(ALL_REGISTRIES.items()):
         print(f"{kind} ({registry.doc}):")
         for name in registry.names():
-            print(f"  {name}")
+            kind = registry.kind_of(name)
+            print(f"  {name}" + (f"  ({kind.describe()})" if kind is not None else ""))
     return 0
 
 

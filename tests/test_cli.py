@@ -44,7 +44,11 @@ def test_list_shows_recipes_and_every_registry(capsys):
         "core",
         "answer_match",
     ):
-        assert f"  {name}\n" in out
+        assert f"  {name}\n" in out or f"  {name}  (" in out
+    # entries of registries with kinds say what they are called with
+    assert "  gae  (a temporal advantage (rewards, values, dones))\n" in out
+    assert "  grpo  (a group advantage (rewards, group_ids))\n" in out
+    assert "  ppo_clip  (a policy loss (logp, old_logp, advantages, mask))\n" in out
 
 
 def test_unknown_bench_is_a_clear_error(capsys):
