@@ -128,7 +128,7 @@ def robot_loops(folder: Path) -> dict[str, Any]:
     supervised by the expert) and a recorded demonstration dataset with action noise."""
     from mmrl.config import shipped_path
     from vla_rl.dataset import RobotDataset
-    from vla_rl.evaluate import run_episodes
+    from vla_rl.evaluate import evaluate_episodes
     from vla_rl.policy import VLAPolicy
     from vla_rl.recording import record_episodes
     from vla_rl.supervisor import TakeoverRule
@@ -143,7 +143,9 @@ def robot_loops(folder: Path) -> dict[str, Any]:
             "sampled": {"deterministic": False},
             "supervised": {"takeover": TakeoverRule(0.5, 10, patience=3)},
         }.items():
-            result = run_episodes(policy, "PickPlace", 4, 1_000_000, num_envs=2, progress=False, **options)
+            result = evaluate_episodes(
+                policy, "PickPlace", 4, 1_000_000, num_envs=2, progress=False, **options
+            )
             out[f"eval_{name}"] = {
                 "success": result.success.tolist(),
                 "steps": result.steps.tolist(),

@@ -39,8 +39,7 @@ from tqdm.auto import tqdm
 
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
-from vla_rl.episodes import PolicyActs, Progress, Recorder, Step, evaluating
-from vla_rl.episodes import run_episodes as run_lockstep
+from vla_rl.episodes import PolicyActs, Progress, Recorder, Step, evaluating, run_episodes
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
 from vla_rl.supervisor import TakeoverRule
@@ -66,7 +65,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 @dataclass
 class Episodes:
-    """Per-episode outcomes of `run_episodes`, indexed by episode (reset seed = seed + index)."""
+    """Per-episode outcomes of `evaluate_episodes`, indexed by episode (reset seed = seed + index)."""
 
     seeds: list[int]
     success: np.ndarray  # (episodes,) bool
@@ -112,7 +111,7 @@ class VideoFrames(Recorder):
             camera.close()
 
 
-def run_episodes(
+def evaluate_episodes(
     policy: VLAPolicy | LeRobotPolicy,
     task: str,
     episodes: int,
@@ -142,7 +141,7 @@ def run_episodes(
     bar = tqdm(total=episodes, desc=f"eval {task}", disable=not progress, dynamic_ncols=True, leave=False)
     try:
         with evaluating(policy):
-            outcomes = run_lockstep(
+            outcomes = run_episodes(
                 envs,
                 [seed + k for k in range(episodes)],
                 controller,
@@ -178,7 +177,7 @@ def evaluate_policy(
     """Roll out `policy` for `episodes` episodes (reset seeds seed, seed+1, ...) and return
     success_rate with its Wilson 95% interval (success_ci_low, success_ci_high), episodes and
     mean_steps."""
-    result = run_episodes(
+    result = evaluate_episodes(
         policy, task, episodes, seed, num_envs=num_envs, deterministic=deterministic, progress=progress
     )
     low, high = wilson_interval(int(result.success.sum()), episodes)
@@ -348,7 +347,7 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
     gifs: list[tuple[list[np.ndarray], list[bool], Path]] = []  # written once every policy has run
     for index, path in enumerate(cfg.policies):
         policy = load_policy(path)
-        episodes = run_episodes(
+        episodes = evaluate_episodes(
             policy,
             task,
             cfg.episodes,

@@ -53,8 +53,7 @@ from vla_rl.buffer import ReplayBuffer
 from vla_rl.config import VLAHABCConfig, check_env_size, seed_block
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset, open_dataset
-from vla_rl.evaluate import evaluate_policy, write_gif
-from vla_rl.evaluate import run_episodes as run_eval_episodes
+from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
 from vla_rl.grpo import update_grpo
 from vla_rl.habc import Critics, CriticTargets, critic_losses
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
@@ -439,7 +438,7 @@ class VLAHABCTrainer(Trainer):
         e = self.config.eval
         if not e.videos:
             return
-        episodes = run_eval_episodes(
+        episodes = evaluate_episodes(
             self.policy,
             self.config.rollout.task,
             e.videos,
