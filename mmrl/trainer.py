@@ -119,30 +119,44 @@ class Trainer:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
 
     def optimizer_step(
-        self, loss: torch.Tensor, max_grad_norm: float = math.inf, patience: int | None = None, what: str = ""
+        self,
+        loss: torch.Tensor,
+        max_grad_norm: float = math.inf,
+        patience: int | None = None,
+        what: str = "",
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
         """One update from `loss`: zero the gradients, backward, then `apply_gradients`. With
         `patience`, a non-finite loss skips the update first (`skip_step`); `what` names the loss in
-        that message ("actor " gives "non-finite actor loss")."""
+        that message ("actor " gives "non-finite actor loss"). `model` and `optimizer` default to the
+        trainer's own; pass others for a second network with its own optimizer (e.g. critics)."""
         if patience is not None and not self.all_finite(loss):
             self.skip_step(f"non-finite {what}loss", patience)
-        self.optimizer.zero_grad(set_to_none=True)
+        (optimizer or self.optimizer).zero_grad(set_to_none=True)
         self.backward(loss)
-        return self.apply_gradients(max_grad_norm, patience, what)
+        return self.apply_gradients(max_grad_norm, patience, what, model=model, optimizer=optimizer)
 
     def apply_gradients(
-        self, max_grad_norm: float = math.inf, patience: int | None = None, what: str = ""
+        self,
+        max_grad_norm: float = math.inf,
+        patience: int | None = None,
+        what: str = "",
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
-        """Clip the accumulated gradients of `self.model` to `max_grad_norm` (inf: measure only) and
-        step `self.optimizer`; return the gradient norm before clipping. With `patience`, a
-        non-finite gradient skips the update instead (`skip_step`) and a finite one ends a streak
-        of skipped updates."""
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        """Clip the accumulated gradients of `model` (default `self.model`) to `max_grad_norm` (inf:
+        measure only) and step `optimizer` (default `self.optimizer`); return the gradient norm before
+        clipping. With `patience`, a non-finite gradient skips the update instead (`skip_step`) and a
+        finite one ends a streak of skipped updates."""
+        grad_norm = self.accelerator.clip_grad_norm_((model or self.model).parameters(), max_grad_norm)
         if patience is not None:
             if not self.all_finite(torch.as_tensor(grad_norm)):
                 self.skip_step(f"non-finite {what}gradient", patience)
             self.nan_streak = 0
-        self.optimizer.step()
+        (optimizer or self.optimizer).step()
         return grad_norm
 
     @property

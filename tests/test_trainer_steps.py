@@ -116,3 +116,18 @@ def test_apply_gradients_steps_what_was_accumulated(trainer):
     assert grad_norm.item() == pytest.approx(total.item())
     torch.testing.assert_close(trainer.model.weight.grad, 2 * single)
     assert not unchanged(trainer, before)
+
+
+def test_a_second_network_steps_with_its_own_optimizer_and_clip(trainer):
+    """Critics beside the policy: model= and optimizer= step that network only, clipped to its norm."""
+    torch.manual_seed(1)
+    critic = torch.nn.Linear(3, 1)
+    critic_optimizer = torch.optim.SGD(critic.parameters(), lr=0.1)
+    policy_before, critic_before = weights(trainer), [p.detach().clone() for p in critic.parameters()]
+    loss = critic(torch.ones(4, 3)).sub(10).pow(2).mean()
+    grad_norm = trainer.optimizer_step(loss, 0.5, model=critic, optimizer=critic_optimizer)
+    assert unchanged(trainer, policy_before)
+    assert grad_norm > 0.5
+    assert torch.cat([p.grad.flatten() for p in critic.parameters()]).norm().item() == pytest.approx(0.5)
+    assert critic(torch.ones(4, 3)).sub(10).pow(2).mean() < loss  # the critic moved toward its target
+    assert not all(torch.equal(a, b) for a, b in zip(critic_before, critic.parameters(), strict=True))

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from safetensors.numpy import load_file, save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from mmrl.config import ConfigError, shipped_path
 from mmrl.losses import aggregate_loss
@@ -321,11 +321,7 @@ class VLAHABCTrainer(Trainer):
             if not torch.isfinite(loss):
                 skipped += 1
                 continue
-            # the critics have their own optimizer: Trainer.optimizer_step steps the policy's
-            self.critic_optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(self.critics.parameters(), 1.0)
-            self.critic_optimizer.step()
+            self.optimizer_step(loss, 1.0, model=self.critics, optimizer=self.critic_optimizer)
             v_losses.append(v_loss.item())
         return {
             "critic_v_loss": _mean(v_losses),
