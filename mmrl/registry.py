@@ -31,15 +31,16 @@ def closest(name: str, choices: list[str]) -> str | None:
 @dataclass(frozen=True)
 class EntryKind:
     """What an entry of one kind is called with: the names of its leading parameters, in order, and
-    a short description for error messages. A registry with kinds refuses an entry whose signature
-    does not start with its kind's parameters, so a mismatch fails at import, not at the first step."""
+    the noun of its registry for messages ("a group advantage (rewards, group_ids)"). A registry with
+    kinds refuses an entry whose signature does not start with its kind's parameters, so a mismatch
+    fails at import, not at the first step."""
 
     name: str
     parameters: tuple[str, ...]
-    doc: str
+    noun: str
 
     def describe(self) -> str:
-        return f"a {self.name} {self.doc.split(':')[0]} ({', '.join(self.parameters)})"
+        return f"a {self.name} {self.noun} ({', '.join(self.parameters)})"
 
 
 class Registry(Generic[T]):
@@ -66,6 +67,8 @@ class Registry(Generic[T]):
             raise ValueError(
                 f"{self.kind} {name!r}: register it with kind= one of {', '.join(self.kinds)} (got {kind!r})"
             )
+        if not self.kinds and kind is not None:
+            raise ValueError(f"{self.kind} {name!r}: the {self.kind} registry has no kinds; drop kind=")
 
         def add(obj: T) -> T:
             if name in self._entries:
@@ -140,22 +143,17 @@ ADVANTAGES: Registry[Callable] = Registry(
     "advantage",
     "advantage estimators (pure functions on tensors, each returning `mmrl.advantages.Advantages`)",
     kinds=(
-        EntryKind("group", ("rewards", "group_ids"), "advantage: one reward per rollout, rollouts in groups"),
-        EntryKind("tree", ("node_rewards", "tree_ids", "depths"), "advantage: fused rewards of tree nodes"),
-        EntryKind("temporal", ("rewards", "values", "dones"), "advantage: per-step rewards and values"),
+        EntryKind("group", ("rewards", "group_ids"), "advantage"),  # one reward per rollout, in groups
+        EntryKind("tree", ("node_rewards", "tree_ids", "depths"), "advantage"),  # fused node rewards
+        EntryKind("temporal", ("rewards", "values", "dones"), "advantage"),  # per-step rewards, values
     ),
 )
 SAMPLERS: Registry[type] = Registry("sampler", "prompt/question samplers")
 LOSSES: Registry[Callable] = Registry(
     "loss",
     "policy losses (pure functions on tensors, each returning `mmrl.losses.LossOutput`)",
-    kinds=(
-        EntryKind(
-            "policy",
-            ("logp", "old_logp", "advantages", "mask"),
-            "loss: log-probs of the sampled actions now and at sampling, advantages, a mask",
-        ),
-    ),
+    # log-probs of the sampled actions now and at sampling, their advantages, a mask
+    kinds=(EntryKind("policy", ("logp", "old_logp", "advantages", "mask"), "loss"),),
 )
 PRECISIONS: Registry[Callable] = Registry("precision", "weight precisions for exploration rollouts")
 REWARDS: Registry[Callable] = Registry("reward", "reward functions")

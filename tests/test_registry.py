@@ -33,7 +33,7 @@ def test_an_entry_without_a_known_kind_is_refused(kind):
 
 def test_an_entry_that_fits_its_kind_is_looked_up_with_it(monkeypatch):
     monkeypatch.setattr(registry, "ALL_REGISTRIES", {})  # the test registry stays out of `mmrl list`
-    kinds = (EntryKind("pair", ("a", "b"), "thing: two inputs"), EntryKind("one", ("a",), "thing: one input"))
+    kinds = (EntryKind("pair", ("a", "b"), "thing"), EntryKind("one", ("a",), "thing"))
     things = Registry("thing", "test entries", kinds=kinds)
 
     @things.register("add", kind="pair")
@@ -48,6 +48,14 @@ def test_an_entry_that_fits_its_kind_is_looked_up_with_it(monkeypatch):
     assert things.kind_of("add").describe() == "a pair thing (a, b)"
     with pytest.raises(ValueError, match="already has an entry named 'add'"):
         things.register("add", kind="pair")(add)
+
+
+def test_a_kind_in_a_registry_without_kinds_is_refused(monkeypatch):
+    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
+    plain = Registry("plain", "test entries")
+    with pytest.raises(ValueError, match="the plain registry has no kinds; drop kind="):
+        plain.register("x", kind="group")
+    assert "x" not in plain
 
 
 def test_an_unknown_entry_names_the_closest():
