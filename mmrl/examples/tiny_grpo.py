@@ -155,7 +155,7 @@ def sample_trees(
     """
     k = prompts.shape[1]
     trees = [RolloutTree(root_state={"tokens": []}) for _ in prompt_ids]
-    # frontier rows: (tree index, node id, tokens so far, log-probs so far on this node's edge)
+    # frontier rows: (tree index, node id); per row its answer so far and its open edge's tokens, log-probs
     rows = [(t, 0) for t in range(len(trees))]
     tokens = prompt_tokens(prompts)
     answer: list[list[int]] = [[] for _ in rows]
@@ -245,14 +245,13 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         all_answers, all_prompts, owners = [], [], []
         for t, tree in enumerate(trees):
             leaves, answers = leaf_answers(tree)
-            rewards = reversal_reward(prompts[t].expand_as(answers), answers)
-            for leaf, r in zip(leaves, rewards.tolist(), strict=True):
-                tree.set_leaf_reward(leaf, r)
             all_answers.append(answers)
             all_prompts.append(prompts[t].expand_as(answers))
             owners += [(t, leaf) for leaf in leaves]
         answers, leaf_prompts = torch.cat(all_answers), torch.cat(all_prompts)
         leaf_rewards = reversal_reward(leaf_prompts, answers)
+        for (t, leaf), r in zip(owners, leaf_rewards.tolist(), strict=True):
+            trees[t].set_leaf_reward(leaf, r)
         node_adv = self.node_advantages(trees)
 
         # the sampler sees every process's groups, so its state stays identical on all ranks;
