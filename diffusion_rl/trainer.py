@@ -47,6 +47,7 @@ from diffusion_rl.quantized_exploration import (
     rank_agreement,
     replay_plan,
 )
+from diffusion_rl.rewards import RewardServerError
 from diffusion_rl.sampling import evaluate_alignment, save_grid
 from diffusion_rl.sde import StepOutput
 from diffusion_rl.shapes import train_prompts
@@ -297,8 +298,6 @@ class BranchGRPOTrainer(Trainer):
         self, trees: list[RolloutTree], latents: torch.Tensor, prompts: list[str]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rewards of the leaves (`latents`, tree-major; `prompts` one per tree) and their images."""
-        from diffusion_rl.rewards import RewardServerError
-
         images = self.pipe.decode(latents)
         leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
         try:
