@@ -133,7 +133,7 @@ class Trainer:
         that message ("actor " gives "non-finite actor loss"). `model` and `optimizer` default to the
         trainer's own; pass others for a second network with its own optimizer (e.g. critics)."""
         if patience is not None and not self.all_finite(loss):
-            self.skip_step(f"non-finite {what}loss", patience)
+            self.skip_step(f"non-finite {what}loss", patience, optimizer)
         (optimizer or self.optimizer).zero_grad(set_to_none=True)
         self.backward(loss)
         return self.apply_gradients(max_grad_norm, patience, what, model=model, optimizer=optimizer)
@@ -154,7 +154,7 @@ class Trainer:
         grad_norm = self.accelerator.clip_grad_norm_((model or self.model).parameters(), max_grad_norm)
         if patience is not None:
             if not self.all_finite(torch.as_tensor(grad_norm)):
-                self.skip_step(f"non-finite {what}gradient", patience)
+                self.skip_step(f"non-finite {what}gradient", patience, optimizer)
             self.nan_streak = 0
         (optimizer or self.optimizer).step()
         return grad_norm
@@ -362,11 +362,14 @@ class Trainer:
         tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
         return self.all_finite(*[t.to_local() if hasattr(t, "to_local") else t for t in tensors])
 
-    def skip_step(self, reason: str, patience: int) -> NoReturn:
+    def skip_step(
+        self, reason: str, patience: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> NoReturn:
         """Drop this step's update (a NaN loss, log-prob or gradient is data, not a crash) by raising
-        `StepSkipped`; after `patience` such steps in a row, stop the run with a checkpoint and the
-        reason (`TrainingStopped`)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        `StepSkipped` after clearing the gradients of `optimizer` (default the trainer's); after
+        `patience` such steps in a row, stop the run with a checkpoint and the reason
+        (`TrainingStopped`)."""
+        (optimizer or self.optimizer).zero_grad(set_to_none=True)
         self.nan_streak += 1
         self.skipped_steps += 1
         if self.nan_streak >= patience:
