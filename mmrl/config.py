@@ -26,7 +26,7 @@ C = TypeVar("C", bound="BaseConfig")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_ROOT = REPO_ROOT / "configs"
-SHIPPING_PACKAGES = {("diffusion_rl",), ("vlm_rl",), ("vla_rl",)}  # those with assets/ base models
+SHIPPING_PACKAGES = frozenset({"diffusion_rl", "vlm_rl", "vla_rl"})  # those with assets/ base models
 
 
 class ConfigError(ValueError):
@@ -102,7 +102,7 @@ def shipped_path(path: str | Path) -> Path:
     models (``vlm_rl/assets/tiny_vlm``) from any working directory; otherwise `path` unchanged, for the
     caller's own error (a run's outputs are never looked up in the repository)."""
     given = Path(path)
-    if given.exists() or given.is_absolute() or given.parts[:1] not in SHIPPING_PACKAGES:
+    if given.exists() or given.is_absolute() or given.parts[0] not in SHIPPING_PACKAGES:
         return given
     return REPO_ROOT / given if (REPO_ROOT / given).exists() else given
 
