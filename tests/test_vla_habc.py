@@ -112,10 +112,11 @@ def test_weights_are_exp_beta_a_clipped_at_w_max():
     assert torch.isfinite(w).all() and w.max() <= 20.0
 
 
-def toy_buffer():
+def toy_transitions() -> Transitions:
     """Episode 0: policy 4 steps, expert 3, policy 2, success. Episode 1: policy 3 steps, time limit
     without success. Episode 2: policy 2 steps, success on its own. The policy executes 3 actions of
-    each sampled chunk (fewer when the expert takes over or the episode ends)."""
+    each sampled chunk (fewer when the expert takes over or the episode ends). Rows: ep0's policy
+    segments (0-3, 4-5), ep1 (6-8), ep2 (9-10), then ep0's intervention segment (11-13)."""
     buffer, lengths = ReplayBuffer(100), {}
     for flags, success in (([0] * 4 + [1] * 3 + [0] * 2, True), ([0] * 3, False), ([0] * 2, True)):
         steps = len(flags)
@@ -128,11 +129,11 @@ def toy_buffer():
             obs, np.zeros((steps, 5)), success, "reach", np.array(flags, bool), chunk_step=chunk_step
         )
         lengths[episode] = steps
-    return buffer, lengths
+    return Transitions.from_buffer(buffer, lengths)
 
 
 def test_intervention_aware_credit_reaches_only_policy_segments():
-    tr = Transitions.from_buffer(*toy_buffer())
+    tr = toy_transitions()
     # rows: policy segments (ep0 steps 0-3, ep0 steps 7-8, ep1, ep2), then the intervention segment
     assert tr.intervention.tolist() == [False] * 11 + [True] * 3
     r_v, done_v = viability_rewards(tr)
@@ -165,7 +166,7 @@ def test_intervention_aware_credit_reaches_only_policy_segments():
 
 
 def test_a_chunk_is_credited_with_the_discounted_advantages_of_its_executed_steps():
-    tr = Transitions.from_buffer(*toy_buffer())
+    tr = toy_transitions()
     decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, horizon=4)
     assert decisions.tolist() == [0, 3, 4, 6, 9]  # never an expert step
     # ep0's first chunk runs 3 steps, its second is cut after 1 by the take-over; the segment after the

@@ -10,33 +10,13 @@ import torch
 
 from mmrl.advantages import Advantages
 from mmrl.config import ConfigError, load_config
+from tests.test_vla_habc import toy_transitions
 from vla_rl.baselines import BUFFER_METHODS, monte_carlo_returns
-from vla_rl.buffer import ReplayBuffer
 from vla_rl.config import METHODS
 from vla_rl.grpo import group_advantages, sampled_chunks
 from vla_rl.habc import CriticTargets, Gate, Head, Weighting, advantage_weights, critic_losses, habc_weights
-from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
-from vla_rl.online import Episode, Transitions
+from vla_rl.online import Episode
 from vla_rl.trainer import VLAHABCTrainer  # noqa: F401  (registers vla_habc for load_config)
-
-
-def toy_transitions() -> Transitions:
-    """Episode 0: policy 4 steps, expert 3, policy 2, success. Episode 1: policy 3 steps, time limit
-    without success. Episode 2: policy 2 steps, success. Rows: ep0's policy segments (0-3, 4-5), ep1
-    (6-8), ep2 (9-10), then ep0's intervention segment (11-13); chunks of 3 executed actions."""
-    buffer, lengths = ReplayBuffer(100), {}
-    for flags, success in (([0] * 4 + [1] * 3 + [0] * 2, True), ([0] * 3, False), ([0] * 2, True)):
-        steps = len(flags)
-        obs = {
-            STATE_KEY: np.arange((steps + 1) * 3, dtype=np.float32).reshape(steps + 1, 3),
-            IMAGE_KEY: np.zeros((steps + 1, 4, 4, 3), np.uint8),
-        }
-        chunk_step = {9: [0, 1, 2, 0, -1, -1, -1, 0, 1], 3: [0, 1, 2], 2: [0, 1]}[steps]
-        episode = buffer.add_episode(
-            obs, np.zeros((steps, 5)), success, "reach", np.array(flags, bool), chunk_step=chunk_step
-        )
-        lengths[episode] = steps
-    return Transitions.from_buffer(buffer, lengths)
 
 
 class ConstantCritics(torch.nn.Module):
