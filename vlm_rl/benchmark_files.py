@@ -232,32 +232,25 @@ def _load_vstar_folder(root: Path, limit: int | None, shuffle: bool, seed: int) 
     return Benchmark(root, "vstar", rows, skipped)
 
 
-def _json_lines(path: Path, limit: int | None) -> Iterator[tuple[int, int, str | RowError]]:
-    """(row, line number, the line's text or the RowError saying why it has none) for the first
-    `limit` non-blank lines."""
+def _json_lines(path: Path, limit: int | None) -> Iterator[tuple[int, int, bytes]]:
+    """(row, line number, the line's bytes) for the first `limit` non-blank lines."""
     row = 0
     for number, _, raw in read_lines(path):
         if not raw or raw.isspace():
             continue
         if limit is not None and row >= limit:
             return
-        try:
-            text: str | RowError = utf8_text(raw)
-        except RowError as err:
-            text = err
-        yield row, number, text
+        yield row, number, raw
         row += 1
 
 
 def _load_vstar_jsonl(path: Path, root: Path, limit: int | None) -> Benchmark:
     rows: list[BenchmarkRow] = []
     skipped: list[SkippedRow] = []
-    for index, number, line in _json_lines(path, limit):
+    for index, number, raw in _json_lines(path, limit):
         qid = None
         try:
-            if isinstance(line, RowError):
-                raise line
-            item = _parse_json(line)
+            item = _parse_json(utf8_text(raw))
             if not isinstance(item, dict):
                 raise RowError(f"expected a JSON object, got {type(item).__name__}")
             qid = str(item.get("question_id", ""))
@@ -344,11 +337,10 @@ def _load_mme_realworld(path: Path, root: Path, limit: int | None) -> Benchmark:
 def _load_project_jsonl(path: Path, root: Path, limit: int | None) -> Benchmark:
     rows: list[BenchmarkRow] = []
     skipped: list[SkippedRow] = []
-    for index, number, line in _json_lines(path, limit):
+    for index, number, raw in _json_lines(path, limit):
         qid = None
         try:
-            if isinstance(line, RowError):
-                raise line
+            line = utf8_text(raw)
             parsed = _parse_json(line)  # read_row reads it again, but only catches bad syntax
             if isinstance(parsed, dict):
                 qid = None if parsed.get("question_id") is None else str(parsed["question_id"])
