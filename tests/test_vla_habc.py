@@ -26,6 +26,7 @@ from vla_rl.habc import (
     habc_advantages,
     head_rows,
     segment_returns,
+    spread_over_chunks,
     viability_rewards,
 )
 from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
@@ -183,6 +184,15 @@ def test_a_chunk_is_credited_with_the_discounted_advantages_of_its_executed_step
     step = r + g * v[1:] - v[:-1]
     n_step = r[6] + g * r[7] + g**2 * r[8] + g**3 * v[9] - v[6]
     torch.testing.assert_close(chunk_advantage(step, rows, executed, gamma=g)[3], n_step)
+
+
+def test_a_decision_weight_reaches_only_the_steps_executed_from_its_chunk():
+    tr = toy_transitions()
+    chunks = executed_chunks(tr.chunk_step, tr.seg_left, horizon=4)
+    weights = torch.full((len(tr),), -1.0)
+    spread_over_chunks(weights, torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), chunks)
+    # the expert's steps (11-13) were executed from no chunk and keep their weight
+    assert weights.tolist() == [1, 1, 1, 2, 3, 3, 4, 4, 4, 5, 5, -1, -1, -1]
 
 
 def test_success_curve_and_episodes_to_80(tmp_path):

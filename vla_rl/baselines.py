@@ -32,6 +32,7 @@ from vla_rl.habc import (
     executed_chunks,
     habc_weights,
     heads,
+    spread_over_chunks,
     weight_stats,
 )
 from vla_rl.online import Transitions
@@ -98,8 +99,8 @@ def awr_actor(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: in
     advantage = monte_carlo_returns(tr, cfg.critic.gamma_v) - value
     w = advantage_weights(advantage, Weighting(a.beta, a.w_max, a.normalize))
     if a.per_chunk:  # every step executed from a chunk takes the weight of the chunk's first state
-        decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, horizon)
-        w[rows[executed]] = w[decisions][:, None].expand_as(rows)[executed]
+        chunks = executed_chunks(tr.chunk_step, tr.seg_left, horizon)
+        spread_over_chunks(w, w[chunks.decisions], chunks)
     stats = {"viability_mean": float(value.mean()), "adv_std": float(advantage.std(unbiased=False))}
     return ActorTargets(tr.actor_rows, w, False, stats | weight_stats(w, a.w_max))
 

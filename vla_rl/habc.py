@@ -120,6 +120,12 @@ def chunk_advantage(step_advantage: Tensor, rows: Tensor, executed: Tensor, gamm
     return (step_advantage[rows] * discount * executed).sum(1)
 
 
+def spread_over_chunks(weights: Tensor, decision_weights: Tensor, chunks: Chunks) -> None:
+    """Give every step executed from a chunk its decision's weight, in place in the per-transition
+    `weights` (steps no chunk executed keep theirs)."""
+    weights[chunks.rows[chunks.executed]] = decision_weights[:, None].expand_as(chunks.rows)[chunks.executed]
+
+
 def habc_advantages(
     viability: Head, efficiency: Head, gate_params: Gate, chunks: Chunks | None = None
 ) -> HABCAdvantages:
@@ -176,7 +182,7 @@ def habc_weights(
         out = HABCAdvantages(*(x[policy] for x in out))
     w = advantage_weights(out.advantage, weighting)
     if chunks is not None:
-        weights[chunks.rows[chunks.executed]] = w[:, None].expand_as(chunks.rows)[chunks.executed]
+        spread_over_chunks(weights, w, chunks)
     else:
         weights[policy] = w
     stats = {
