@@ -23,20 +23,30 @@ from mmrl.registry import BENCHES
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, rollout
+from vlm_rl.rollout import ToolRolloutConfig, TurnGenerator, rollout
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
 TARGET = 3.0
 
 
-def _tokens_per_second(adapter: VLMAdapter, questions: list, cfg: ToolRolloutConfig, batched: bool) -> tuple:
+def _tokens_per_second(
+    adapter: VLMAdapter,
+    questions: list,
+    cfg: ToolRolloutConfig,
+    batched: bool,
+    engine: TurnGenerator | None = None,
+) -> tuple:
+    """(generated tokens per second, tokens, trajectories) of the questions rolled out with keys 0..n-1,
+    in one batch or one at a time, on `engine` (as `rollout` takes it)."""
     keys = [NoiseKey(0, 0, i, 0) for i in range(len(questions))]
     start = time.perf_counter()
     if batched:
-        trajectories = rollout(adapter, questions, cfg, keys)
+        trajectories = rollout(adapter, questions, cfg, keys, engine=engine)
     else:
         trajectories = [
-            t for i, q in enumerate(questions) for t in rollout(adapter, [q], cfg, keys[i : i + 1])
+            t
+            for i, q in enumerate(questions)
+            for t in rollout(adapter, [q], cfg, keys[i : i + 1], engine=engine)
         ]
     seconds = time.perf_counter() - start
     tokens = sum(t.generated_tokens for t in trajectories)
@@ -103,14 +113,9 @@ def _vllm_row(
         engine = VLLMTurnGenerator(path, adapter, cfg.max_tokens, cfg.max_images, kv_cache_gib=0.5)
     except ValueError as err:
         return f"vLLM backend: not timed ({err})"
-    keys = [NoiseKey(0, 0, i, 0) for i in range(len(questions))]
-    rollout(adapter, questions[:4], cfg, keys[:4], engine=engine)  # warm-up
-    start = time.perf_counter()
-    trajectories = rollout(adapter, questions, cfg, keys, engine=engine)
-    seconds = time.perf_counter() - start
-    tokens = sum(t.generated_tokens for t in trajectories)
+    _tokens_per_second(adapter, questions[:4], cfg, batched=True, engine=engine)  # warm-up
+    rate, tokens, trajectories = _tokens_per_second(adapter, questions, cfg, batched=True, engine=engine)
     tool = sum(t.used_tool for t in trajectories) / len(trajectories)
-    rate = tokens / seconds
     rows.append(
         {
             "variant": "vLLM multi-turn engine",
