@@ -301,7 +301,7 @@ class ToolGRPOTrainer(Trainer):
                 rows = part[start : start + cfg.micro_batch]
                 loss, metrics = self.micro_batch_loss([trajectories[i] for i in rows], advantages[rows])
                 if not self.all_finite(loss):
-                    return self.skip_step("non-finite loss", cfg.nan_patience)
+                    self.skip_step("non-finite loss", cfg.nan_patience)
                 weight = sum(trajectories[i].generated_tokens for i in rows) / max(tokens, 1)
                 if cfg.aggregation == "sequence_mean":
                     weight = len(rows) / len(part)
