@@ -39,6 +39,40 @@ END_REASONS = ("answer", "max_turns", "max_images", "max_tokens", "truncated")
 
 
 @dataclass
+class TreeRolloutConfig:
+    enabled: bool = option(
+        False, "a question's group is a tree: branches continue from their shared prefix (TreePO-style)"
+    )
+    branching: list[int] = option(
+        [4, 2],
+        "children per branch point by depth: the prompt's first, then each later split (1 past the end); a "
+        "finished branch hands its unused leaves back to its parent, so groups keep train.group_size leaves",
+        min=1,
+    )
+    segment_tokens: int = option(
+        0, "also split a turn after this many generated tokens (0: split only at turn boundaries)", min=0
+    )
+
+
+@dataclass
+class PartialRolloutConfig:
+    enabled: bool = option(
+        False,
+        "APRIL-style: launch more groups than a step trains, end the step once enough groups finished, "
+        "carry the unfinished conversations into the next step",
+    )
+    over_provision: float = option(
+        0.5, "extra groups launched, as a fraction of train.questions_per_step", min=0.0
+    )
+    max_staleness: int = option(
+        2,
+        "a carried conversation whose first token is more than this many policy versions old is dropped "
+        "(counted) and its question relaunched",
+        min=0,
+    )
+
+
+@dataclass
 class ToolRolloutConfig:
     max_turns: int = option(3, "assistant turns per rollout: tool calls plus the answer", min=1)
     max_new_tokens: int = option(48, "tokens one assistant turn may generate", min=1)
@@ -57,6 +91,8 @@ class ToolRolloutConfig:
     vllm_kv_cache_gib: float = option(
         2.0, "memory vLLM keeps for its key/value cache, GiB (backend vllm; on GPU and on CPU)", min=0.01
     )
+    tree: TreeRolloutConfig = field(default_factory=TreeRolloutConfig)
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
 class TurnGenerator(Protocol):
