@@ -191,31 +191,93 @@ def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages
     return Advantages(values.to(rewards.dtype), loss_mask)
 
 
+def _ancestors(parents: Tensor, depths: Tensor) -> Tensor:
+    """[N, D+1] long: row of each node's ancestor at every depth up to its own (itself at its depth),
+    -1 below it. Checks that `parents` and `depths` describe a forest."""
+    n = len(depths)
+    if not parents.shape == depths.shape or depths.dim() != 1 or depths.is_floating_point():
+        raise ValueError(
+            f"parents and depths must be 1-D integer tensors shaped like the node rewards, got "
+            f"{parents.dtype} {tuple(parents.shape)} and {depths.dtype} {tuple(depths.shape)}"
+        )
+    parents, depths = parents.long(), depths.long()
+    if n and (int(parents.min()) < -1 or int(parents.max()) >= n):
+        raise ValueError(f"parents must be row indices in [0, {n}) or -1 for a root")
+    has_parent = parents >= 0
+    parent_depth = depths[parents.clamp(min=0)]
+    if bool((depths[~has_parent] != 0).any()) or bool(
+        (parent_depth[has_parent] != depths[has_parent] - 1).any()
+    ):
+        raise ValueError("a root (parent -1) must have depth 0 and every other node its parent's depth + 1")
+    table = torch.full((n, int(depths.max()) + 1 if n else 1), -1, dtype=torch.long, device=depths.device)
+    rows = torch.arange(n, device=depths.device)
+    current = rows
+    for _ in range(table.shape[1]):
+        alive = current >= 0
+        table[rows[alive], depths[current[alive]]] = current[alive]
+        current = torch.where(alive, parents[current.clamp(min=0)], current)
+    return table
+
+
+def _normalised_within(r: Tensor, keys: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(r - mean) / (std + eps) within each key's nodes, 0 where they spread less than DEGENERATE_STD;
+    and each node's count of nodes sharing its key."""
+    _, segment, sizes = _segments(r, keys)
+    mean, std = _segment_mean_std(r, segment, sizes)
+    values = (r - mean[segment]) / (std[segment] + eps)
+    return values.masked_fill(std[segment] < DEGENERATE_STD, 0.0), sizes[segment]
+
+
 @ADVANTAGES.register("tree_depthwise", kind="tree")
 def tree_depthwise(
-    node_rewards: Tensor, tree_ids: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
+    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
 ) -> Advantages:
     """BranchGRPO depth-wise advantage: A(n) = (R(n) - mean_d) / (std_d + eps) over the nodes at the
     same depth d of the same tree, clipped to [-clip, clip] (None: no clip).
 
-    A (tree, depth) with one node or with std < DEGENERATE_STD gets 0. The edge parent -> child is
+    `parents[i]` is the row of node i's parent (-1 for a root), `depths[i]` its depth (roots 0). A
+    (tree, depth) with one node or with std < DEGENERATE_STD gets 0. The edge parent -> child is
     trained with A(child).
     """
     node_rewards = _as_float(node_rewards)
-    if not tree_ids.shape == depths.shape == node_rewards.shape or depths.is_floating_point():
-        raise ValueError(
-            f"tree ids and integer depths must be shaped like the node rewards {tuple(node_rewards.shape)}, "
-            f"got {tuple(tree_ids.shape)} and {depths.dtype} {tuple(depths.shape)}"
-        )
-    n_depths = int(depths.max()) + 1 if depths.numel() else 1
-    if depths.numel() and int(depths.min()) < 0:
-        raise ValueError(f"depths must be non-negative, got {int(depths.min())}")
-    _, tree = torch.unique(tree_ids, return_inverse=True)
-    _, segment, sizes = _segments(node_rewards, tree * n_depths + depths)
+    ancestors = _ancestors(parents, depths)
+    keys = ancestors[:, 0] * ancestors.shape[1] + depths  # (tree, depth)
+    values, _ = _normalised_within(node_rewards.double(), keys, eps)
+    if clip is not None:
+        values = values.clamp(-clip, clip)
+    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+
+
+@ADVANTAGES.register("tree_subgroup", kind="tree")
+def tree_subgroup(
+    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
+) -> Advantages:
+    """TreePO's subgroup-averaged advantage: node n at depth d is normalised within each subgroup it
+    belongs to (the nodes at depth d below one of its ancestors), and these are averaged over the
+    ancestors' levels 0..d-1:
+
+        A(n) = mean over levels l with a subgroup of >= 2 nodes of (R(n) - mean_l) / (std_l + eps)
+
+    Level 0 alone is `tree_depthwise`; deeper levels compare a node with its closer relatives (siblings
+    that share more of its prefix), so credit for a late decision is not swamped by an early one. A
+    subgroup spreading less than DEGENERATE_STD contributes 0; a node in no subgroup of two gets 0.
+    Clipped to [-clip, clip] (None: no clip)."""
+    node_rewards = _as_float(node_rewards)
+    ancestors = _ancestors(parents, depths)
     r = node_rewards.double()
-    mean, std = _segment_mean_std(r, segment, sizes)
-    values = (r - mean[segment]) / (std[segment] + eps)
-    values = values.masked_fill(std[segment] < DEGENERATE_STD, 0.0)
+    total, levels = torch.zeros_like(r), torch.zeros_like(r)
+    for level in range(ancestors.shape[1] - 1):
+        below = depths > level
+        if not bool(below.any()):
+            break
+        keys = torch.where(
+            below, ancestors[:, level] * ancestors.shape[1] + depths, -1 - torch.arange(len(r))
+        )
+        values, sizes = _normalised_within(r, keys, eps)
+        counted = below & (sizes >= 2)
+        total += torch.where(counted, values, 0.0)
+        levels += counted.double()
+    values = torch.where(levels > 0, total / levels.clamp(min=1), 0.0)
     if clip is not None:
         values = values.clamp(-clip, clip)
     return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from mmrl.advantages import gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
+from mmrl.advantages import gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise, tree_subgroup
 from mmrl.bench_all import check_counts, print_table
 from mmrl.config import check_device
 from mmrl.losses import awr_weights
@@ -120,12 +120,14 @@ def _advantage_rows(
 
     rewards, ids = grouped(16)
     odd_rewards, odd_ids = grouped(17)
-    # Four-level binary trees: 2 + 4 + 8 + 16 = 30 trained nodes per tree (the root has no edge).
-    tree_depths = torch.tensor([1] * 2 + [2] * 4 + [3] * 8 + [4] * 16)
-    n_trees = n_groups * 16 // len(tree_depths)
-    node_rewards = torch.rand(n_trees * len(tree_depths), generator=gen).to(device)
-    trees = torch.arange(n_trees).repeat_interleave(len(tree_depths)).to(device)
-    depths = tree_depths.repeat(n_trees).to(device)
+    # Four-level binary trees of 31 nodes (rows breadth-first), as many nodes in all as the groups hold.
+    node = torch.arange(31)
+    n_trees = n_groups * 16 // len(node)
+    offsets = torch.arange(n_trees).repeat_interleave(len(node)) * len(node)
+    parents = torch.where(node > 0, (node - 1) // 2, -1).repeat(n_trees)
+    parents = torch.where(parents >= 0, parents + offsets, -1).to(device)
+    depths = torch.floor(torch.log2(node.double() + 1)).long().repeat(n_trees).to(device)
+    node_rewards = torch.rand(len(depths), generator=gen).to(device)
     batch, horizon = max(1, n_groups // 64), 1024
     step_rewards = torch.rand(batch, horizon, generator=gen).to(device)
     values = torch.rand(batch, horizon + 1, generator=gen).to(device)
@@ -147,7 +149,12 @@ def _advantage_rows(
         (
             "tree_depthwise",
             f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
-            lambda: tree_depthwise(node_rewards, trees, depths),
+            lambda: tree_depthwise(node_rewards, parents, depths),
+        ),
+        (
+            "tree_subgroup",
+            f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
+            lambda: tree_subgroup(node_rewards, parents, depths),
         ),
         ("awr_weights", f"{len(rewards):,} advantages", lambda: awr_weights(rewards)),
         ("gae", f"[{batch}, {horizon}] steps", lambda: gae(step_rewards, values, dones)),

@@ -144,7 +144,7 @@ ADVANTAGES: Registry[Callable] = Registry(
     "advantage estimators (pure functions on tensors, each returning `mmrl.advantages.Advantages`)",
     kinds=(
         EntryKind("group", ("rewards", "group_ids"), "advantage"),  # one reward per rollout, in groups
-        EntryKind("tree", ("node_rewards", "tree_ids", "depths"), "advantage"),  # fused node rewards
+        EntryKind("tree", ("node_rewards", "parents", "depths"), "advantage"),  # fused node rewards, a forest
         EntryKind("temporal", ("rewards", "values", "dones"), "advantage"),  # per-step rewards, values
     ),
 )

@@ -10,6 +10,7 @@ Node ids are 0..N-1 in creation order (root = 0), so a parent's id is always bel
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -156,14 +157,19 @@ def _edge_logp(node: Node) -> float:
 
 
 def batch_trees(trees: Sequence[RolloutTree]) -> dict[str, Tensor]:
-    """Concatenate `to_tensors()` of several trees, adding `tree_ids`.
+    """Concatenate `to_tensors()` of several trees, adding `tree_ids` and `parents`.
 
     Rows are ordered by tree, then node id, so tree t's node i is row `offset_t + i`; node and parent
-    ids stay local to their tree. This is the layout `tree_depthwise` advantages take.
+    ids stay local to their tree, while `parents` holds each node's parent row in the batch (-1 for a
+    root): the layout tree advantage estimators take.
     """
     parts = [tree.to_tensors() for tree in trees]
     batch = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
     batch["tree_ids"] = torch.cat([torch.full((len(tree),), t) for t, tree in enumerate(trees)])
+    offsets = torch.tensor([0, *itertools.accumulate(len(tree) for tree in trees)])[:-1]
+    batch["parents"] = torch.where(
+        batch["parent_ids"] >= 0, batch["parent_ids"] + offsets[batch["tree_ids"]], -1
+    )
     return batch
 
 
@@ -226,13 +232,13 @@ def fused_node_advantages(
     **options: Any,
 ) -> dict[tuple[int, int], float]:
     """Node credit from any tree advantage estimator (an `ADVANTAGES` entry of kind "tree", called as
-    estimator(node_rewards, tree_ids, depths, **options)): fuse leaf rewards up each tree, score every
+    estimator(node_rewards, parents, depths, **options)): fuse leaf rewards up each tree, score every
     node, and zero the nodes outside the estimator's loss mask. Returns A(node) for every non-root
     node, keyed by (tree index, node id)."""
     for tree in trees:
         tree.fuse_rewards(fusion)
     batch = batch_trees(trees)
-    result = estimator(batch["rewards"], batch["tree_ids"], batch["depths"], **options)
+    result = estimator(batch["rewards"], batch["parents"], batch["depths"], **options)
     values = result.values * result.loss_mask
     return {
         (int(t), int(n)): float(a)

@@ -3,7 +3,17 @@ import math
 import pytest
 import torch
 
-from mmrl.advantages import Advantages, gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise
+from mmrl.advantages import (
+    Advantages,
+    gae,
+    grpo,
+    grpo_global_std,
+    mc_grpo,
+    rloo,
+    td1,
+    tree_depthwise,
+    tree_subgroup,
+)
 from mmrl.registry import ADVANTAGES
 
 
@@ -20,6 +30,7 @@ def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
         "mc_grpo": "group",
         "rloo": "group",
         "tree_depthwise": "tree",
+        "tree_subgroup": "tree",
     }
     assert {name: ADVANTAGES.kind_of(name).name for name in ADVANTAGES.names()} == kinds
     assert ADVANTAGES.names_of_kind(("group", "tree")) == [
@@ -28,6 +39,7 @@ def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
         "mc_grpo",
         "rloo",
         "tree_depthwise",
+        "tree_subgroup",
     ]
     rewards, ids = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0])
     for name in ["grpo", "grpo_global_std", "mc_grpo", "rloo"]:
@@ -114,13 +126,24 @@ def test_mc_grpo_rejects_even_groups():
         mc_grpo(torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0]), torch.tensor([1, 1, 1, 4, 4]))
 
 
+def binary_forest(n_trees: int, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parents, depths, tree ids) of n_trees full binary trees, rows in breadth-first order per tree."""
+    size = 2 ** (depth + 1) - 1
+    local = torch.arange(size)
+    local_parents = torch.where(local > 0, (local - 1) // 2, -1)
+    local_depths = torch.floor(torch.log2(local.double() + 1)).long()
+    offsets = torch.arange(n_trees).repeat_interleave(size) * size
+    parents = torch.where(local_parents.repeat(n_trees) >= 0, local_parents.repeat(n_trees) + offsets, -1)
+    return parents, local_depths.repeat(n_trees), torch.arange(n_trees).repeat_interleave(size)
+
+
 def test_tree_depthwise_hand_computed_and_single_node_depths():
-    # One binary tree: root (depth 0), depth 1: [1, 3], depth 2: [0, 2, 2, 4]; a second tree whose
-    # depth-1 rewards are equal (std 0 -> advantage 0).
+    # One binary tree: root (row 0), depth 1: rows 1, 2 with [1, 3], depth 2: rows 3-6 with [0, 2, 2, 4];
+    # a second tree (rows 7-9) whose depth-1 rewards are equal (std 0 -> advantage 0).
     rewards = torch.tensor([5.0, 1.0, 3.0, 0.0, 2.0, 2.0, 4.0, 7.0, 1.5, 1.5])
-    trees = torch.tensor([10, 10, 10, 10, 10, 10, 10, 20, 20, 20])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2, -1, 7, 7])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 2, 0, 1, 1])
-    out = tree_depthwise(rewards, trees, depths, eps=0.0)
+    out = tree_depthwise(rewards, parents, depths, eps=0.0)
     s2 = math.sqrt(2)  # depth 2: mean 2, deviations -2 0 0 2 -> std sqrt(2)
     expected = torch.tensor([0.0, -1.0, 1.0, -2 / s2, 0.0, 0.0, 2 / s2, 0.0, 0.0, 0.0])
     torch.testing.assert_close(out.values, expected)
@@ -128,17 +151,63 @@ def test_tree_depthwise_hand_computed_and_single_node_depths():
 
 def test_tree_depthwise_zero_mean_per_tree_depth_and_clip():
     torch.manual_seed(3)
-    trees = torch.arange(20).repeat_interleave(30)
-    depths = torch.tensor([1] * 2 + [2] * 4 + [3] * 8 + [4] * 16).repeat(20)
-    rewards = torch.rand(600)
-    values = tree_depthwise(rewards, trees, depths).values
+    parents, depths, trees = binary_forest(20, 4)
+    rewards = torch.rand(len(depths))
+    values = tree_depthwise(rewards, parents, depths).values
     assert max(abs(m) for m in group_means(values, trees * 10 + depths)) < 1e-5
-    # One outlier among 16 nodes has z = 15 / sqrt(15) = 3.87; clip at 2 caps it.
-    outlier = torch.zeros(16)
-    outlier[0] = 1.0
-    ones = torch.ones(16, dtype=torch.long)
-    assert math.isclose(tree_depthwise(outlier, ones, ones).values[0].item(), math.sqrt(15), rel_tol=1e-5)
-    assert tree_depthwise(outlier, ones, ones, clip=2.0).values[0].item() == 2.0
+    # One outlier among 16 leaves has z = 15 / sqrt(15) = 3.87; clip at 2 caps it.
+    parents, depths, _ = binary_forest(1, 4)
+    outlier = torch.zeros(len(depths))
+    outlier[15] = 1.0  # the first leaf
+    assert math.isclose(
+        tree_depthwise(outlier, parents, depths).values[15].item(), math.sqrt(15), rel_tol=1e-5
+    )
+    assert tree_depthwise(outlier, parents, depths, clip=2.0).values[15].item() == 2.0
+
+
+def test_tree_subgroup_hand_computed():
+    # root 0 -> a (1), b (2); a -> rows 3, 4; b -> rows 5, 6. Leaf rewards [1, 0] under a, [1, 1] under b.
+    rewards = torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 2])
+    out = tree_subgroup(rewards, parents, depths, eps=0.0).values
+    # depth 1: one level (the root's subgroup {a, b}): a = -1, b = +1.
+    # leaf 3 (reward 1): level 0 subgroup = all 4 leaves (mean 0.75, std sqrt(3)/4) -> 0.25 / (sqrt(3)/4);
+    # level 1 subgroup = {3, 4} (mean 0.5, std 0.5) -> 1; averaged over the two levels.
+    z0 = 0.25 / (math.sqrt(3) / 4)
+    expected = torch.tensor(
+        [0.0, -1.0, 1.0, (z0 + 1.0) / 2, (-3 * z0 - 1.0) / 2, z0 / 2, z0 / 2]  # b's leaves tie at level 1
+    )
+    torch.testing.assert_close(out, expected)
+    # level 0 alone is tree_depthwise: on a depth-1 tree (a flat group) the two agree
+    flat_parents, flat_depths = torch.tensor([-1, 0, 0, 0]), torch.tensor([0, 1, 1, 1])
+    flat_rewards = torch.tensor([0.0, 1.0, 0.0, 0.5])
+    torch.testing.assert_close(
+        tree_subgroup(flat_rewards, flat_parents, flat_depths).values,
+        tree_depthwise(flat_rewards, flat_parents, flat_depths).values,
+    )
+
+
+def test_tree_subgroup_credits_the_late_decision_more_than_depthwise():
+    # a's leaves [1, 0]: the late decision mattered; b's leaves [1, 1]: only the early one (b) did.
+    # Depth-wise credit is the same for all three right answers; the subgroup form ranks a's right
+    # answer above b's, whose credit already went to the edge into b.
+    rewards = torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 2])
+    depthwise = tree_depthwise(rewards, parents, depths).values
+    subgroup = tree_subgroup(rewards, parents, depths).values
+    assert depthwise[3] == depthwise[5] == depthwise[6]
+    assert subgroup[3] > depthwise[3] > subgroup[5] == subgroup[6] > 0
+    assert subgroup[4] < 0 and depthwise[4] < 0
+
+
+def test_tree_estimators_refuse_a_parent_table_that_is_not_a_forest():
+    rewards = torch.zeros(3)
+    with pytest.raises(ValueError, match="parent's depth \\+ 1"):
+        tree_depthwise(rewards, torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="row indices"):
+        tree_subgroup(rewards, torch.tensor([-1, 0, 5]), torch.tensor([0, 1, 1]))
 
 
 def gae_reference(rewards, values, dones, gamma, lam):
@@ -202,13 +271,15 @@ def test_group_estimators_are_permutation_invariant(estimator):
     assert torch.equal(permuted.loss_mask, out.loss_mask[perm])
 
 
-def test_tree_depthwise_is_permutation_invariant():
+@pytest.mark.parametrize("estimator", [tree_depthwise, tree_subgroup])
+def test_tree_estimators_are_permutation_invariant(estimator):
     torch.manual_seed(6)
-    trees = torch.arange(8).repeat_interleave(14) + 100
-    depths = torch.tensor([1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3]).repeat(8)
-    rewards, perm = torch.rand(112), torch.randperm(112)
-    out = tree_depthwise(rewards, trees, depths).values
-    torch.testing.assert_close(tree_depthwise(rewards[perm], trees[perm], depths[perm]).values, out[perm])
+    parents, depths, _ = binary_forest(8, 3)
+    rewards, perm = torch.rand(len(depths)), torch.randperm(len(depths))
+    out = estimator(rewards, parents, depths).values
+    new_row = torch.empty_like(perm).scatter_(0, perm, torch.arange(len(perm)))  # old row -> new row
+    moved_parents = torch.where(parents[perm] >= 0, new_row[parents[perm].clamp(min=0)], -1)
+    torch.testing.assert_close(estimator(rewards[perm], moved_parents, depths[perm]).values, out[perm])
 
 
 @pytest.mark.parametrize("estimator", [grpo, grpo_global_std, rloo, mc_grpo])
@@ -229,5 +300,5 @@ def test_integer_rewards_and_dtype_preserved():
 def test_mismatched_shapes_raise():
     with pytest.raises(ValueError, match="same length"):
         grpo(torch.zeros(3), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match="integer depths"):
-        tree_depthwise(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.zeros(3))
+    with pytest.raises(ValueError, match="1-D integer tensors"):
+        tree_depthwise(torch.zeros(3), torch.tensor([-1, 0, 0]), torch.zeros(3))

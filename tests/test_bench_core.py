@@ -12,7 +12,17 @@ def test_bench_core_runs_small_and_reports_every_estimator(capsys):
         assert row["ours_ms"] > 0 and row["baseline_ms"] > 0
         assert row["ratio"] == row["ours_ms"] / row["baseline_ms"]
         assert row["verdict"] == ("PASS" if row["ratio"] <= NOISE_TARGET_RATIO else "FAIL")
-    names = ["grpo", "grpo_global_std", "rloo", "mc_grpo", "tree_depthwise", "awr_weights", "gae", "td1"]
+    names = [
+        "grpo",
+        "grpo_global_std",
+        "rloo",
+        "mc_grpo",
+        "tree_depthwise",
+        "tree_subgroup",
+        "awr_weights",
+        "gae",
+        "td1",
+    ]
     assert [row["name"] for row in advantage] == names
     assert all(row["ms"] > 0 for row in advantage)
     printed = capsys.readouterr().out

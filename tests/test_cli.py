@@ -31,6 +31,7 @@ def test_list_shows_recipes_and_every_registry(capsys):
         "mc_grpo",
         "rloo",
         "tree_depthwise",
+        "tree_subgroup",
         "gae",
         "uniform",
         "dynamic_filter",

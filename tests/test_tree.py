@@ -142,6 +142,7 @@ def test_to_tensors_and_batch_trees():
     batch = batch_trees([small, flat])
     assert batch["tree_ids"].tolist() == [0] * 7 + [1] * 3
     assert batch["node_ids"].tolist() == list(range(7)) + [0, 1, 2]
+    assert batch["parents"].tolist() == [-1, 0, 0, 1, 1, 1, 2, -1, 7, 7]  # rows in the batch
     assert batch["depths"].tolist() == single["depths"].tolist() + [0, 1, 1]
     assert torch.equal(batch["rewards"][:7], single["rewards"])
     assert math.isnan(batch["rewards"][7].item())  # the unfused root of the flat group
