@@ -106,6 +106,11 @@ class TrainConfig:
         "prompt sampler (dynamic_filter and beta_thompson learn from every prompt's leaf rewards)",
         registry="sampler",
     )
+    sampler_options: dict = option(
+        {},
+        "keyword options of the sampler, e.g. {success_threshold: 0.7} (the reward counted as a success "
+        "by dynamic_filter and beta_thompson; set it on the trained reward's scale)",
+    )
     clip_low: float = option(1e-4, "PPO ratio clip below 1 (per-step ratios are close to 1)", min=0.0)
     clip_high: float = option(1e-4, "PPO ratio clip above 1", min=0.0)
     adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)

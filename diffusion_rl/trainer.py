@@ -54,8 +54,9 @@ from diffusion_rl.shapes import train_prompts
 from mmrl.config import ConfigError, shipped_path
 from mmrl.losses import LossOutput, gaussian_kl_same_std
 from mmrl.precision import explore_precision
-from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
+from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, TRAINERS, UnknownNameError
 from mmrl.resources import check_enough_prompts, check_memory
+from mmrl.samplers import build_sampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree, fused_node_advantages
 
@@ -204,7 +205,9 @@ class BranchGRPOTrainer(Trainer):
         self.prepare_model_and_optimizer(
             self.pipe.denoiser, self.trained_params, lr=cfg.train.lr, weight_decay=0.0
         )
-        self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.prompts), seed=cfg.seed)
+        self.sampler = build_sampler(
+            cfg.train.sampler, cfg.train.sampler_options, len(self.prompts), cfg.seed, "train.sampler_options"
+        )
         self.advantage_fn = ADVANTAGES.get(cfg.train.advantage)
         self.policy_loss = LOSSES.get(cfg.train.loss)
         self.plan = plan_for(cfg.rollout)

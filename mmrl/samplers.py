@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmrl.config import ConfigError
 from mmrl.registry import SAMPLERS
 
 
@@ -71,6 +72,16 @@ def _check_groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
             f"and {tuple(group_ids.shape)}"
         )
     return rewards, group_ids
+
+
+def build_sampler(name: str, options: dict[str, Any], num_items: int, seed: int, key: str) -> Sampler:
+    """`SAMPLERS.get(name)(num_items, seed=seed, **options)`, as a trainer builds its sampler from a
+    config: an option the sampler does not take, or a value it refuses, is a ConfigError naming `key`
+    (the config's options key) with the sampler's message."""
+    try:
+        return SAMPLERS.get(name)(num_items, seed=seed, **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"config error: {key} = {options} for sampler {name!r}: {err}") from None
 
 
 class Sampler:

@@ -79,3 +79,15 @@ def test_an_estimator_of_another_kind_is_refused_naming_the_allowed_ones(recipe,
     assert "train.advantage = 'gae' is a temporal advantage (rewards, values, dones)" in lines[0]
     assert needs in lines[0]
     assert lines[0].endswith(f"choose one of {allowed}")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"), [("core/tiny_grpo", ["model.path=null"]), ("diffusion/branchgrpo_quick", [])]
+)
+def test_a_bad_sampler_option_names_the_key(recipe, extra, tmp_path, capsys):
+    out = tmp_path / "run"
+    bad = ["train.sampler=beta_thompson", "train.sampler_options={treshold: 0.5}", f"output_dir={out}"]
+    assert main(["train", recipe, *bad, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "error: config error: train.sampler_options = {'treshold': 0.5} for sampler 'beta_thompson'" in err
+    assert "treshold" in err and "Traceback" not in err

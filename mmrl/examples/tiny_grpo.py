@@ -34,8 +34,9 @@ from mmrl.examples.digits import (
 )
 from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey, keyed_rand_batch
-from mmrl.registry import ADVANTAGES, LOSSES, SAMPLERS, TRAINERS
+from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
+from mmrl.samplers import build_sampler
 from mmrl.tree import RolloutTree, fused_node_advantages
 
 # ---------------------------------------------------------------------------------------------
@@ -71,6 +72,7 @@ class TinyGRPOTrainConfig:
     )
     loss: str = option("ppo_clip", "policy loss", registry="loss", kinds=("policy",))
     sampler: str = option("uniform", "prompt sampler", registry="sampler")
+    sampler_options: dict = option({}, "keyword options of the sampler, e.g. {success_threshold: 0.5}")
     ppo_epochs: int = option(2, "optimisation passes over each batch of rollouts", min=1)
     clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0, max=1.0)
     clip_high: float = option(0.28, "PPO ratio clip above 1", min=0.0)
@@ -223,7 +225,13 @@ class TinyGRPOTrainer(DigitReversalTrainer):
             lr_factor=lambda i: min(1.0, (i + 1) / (warmup + 1)),
         )
         self.policy_loss = LOSSES.get(cfg.train.loss)
-        self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_prompts), seed=cfg.seed)
+        self.sampler = build_sampler(
+            cfg.train.sampler,
+            cfg.train.sampler_options,
+            len(self.train_prompts),
+            cfg.seed,
+            "train.sampler_options",
+        )
 
     def trainer_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
