@@ -107,6 +107,20 @@ def test_greedy_turns_match_transformers(policy_and_engine, zoomed_conversations
 
 
 @needs_vllm
+def test_shared_prefixes_are_checked_and_prefilled_from_the_cache(policy_and_engine, zoomed_conversations):
+    _, engine = policy_and_engine
+    rows = [zoomed_conversations[i] for i in (0, 0, 1, 0, 1)]
+    groups, keys = [0, 0, 1, 0, 1], [NoiseKey(0, 0, i, 1) for i in range(5)]
+    engine.llm.reset_prefix_cache()
+    out = engine.generate_turn(rows, 8, keys=keys, temperature=0.7, prefix_groups=groups)
+    again = engine.generate_turn(rows, 8, keys=keys, temperature=0.7, prefix_groups=groups)
+    assert again.token_ids == out.token_ids
+    assert again.prefill_tokens < out.prefill_tokens <= sum(len(s) for s in rows)
+    with pytest.raises(ValueError, match="rows 0 and 2 under id 0"):
+        engine.generate_turn(rows, 8, prefix_groups=[0, 0, 0, 0, 1])
+
+
+@needs_vllm
 def test_new_weights_reach_the_engine(checkpoint, policy_and_engine, zoomed_conversations):
     policy, engine = policy_and_engine  # one engine per process: vLLM keeps global state
     changed = VLMAdapter.from_pretrained(checkpoint)

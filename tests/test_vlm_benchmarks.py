@@ -473,7 +473,8 @@ def test_outcomes_follow_the_conversation(tiny_model, tmp_path, monkeypatch):
     def generate(batch, max_new_tokens, keys=None, **kwargs):
         ids = vlm.segment(next(turns)).token_ids
         rows = batch["input_ids"].shape[0]
-        return Generation([list(ids)] * rows, [torch.zeros(len(ids))] * rows, [True] * rows)
+        prefill = int(batch["attention_mask"].sum())
+        return Generation([list(ids)] * rows, [torch.zeros(len(ids))] * rows, [True] * rows, prefill)
 
     monkeypatch.setattr(vlm, "generate", generate)
     good = b64(image_bytes())

@@ -52,7 +52,8 @@ def scripted(vlm, monkeypatch, turns):
         ids = vlm.segment(text).token_ids[:max_new_tokens]
         rows = batch["input_ids"].shape[0]
         stop = ids[-1] in vlm.token_ids_of(["<|im_end|>", "</tool_call>"])
-        return Generation([list(ids)] * rows, [torch.full((len(ids),), -0.5)] * rows, [stop] * rows)
+        prefill = int(batch["attention_mask"].sum())
+        return Generation([list(ids)] * rows, [torch.full((len(ids),), -0.5)] * rows, [stop] * rows, prefill)
 
     monkeypatch.setattr(vlm, "generate", generate)
 

