@@ -107,6 +107,7 @@ class TurnGenerator(Protocol):
         temperature: float = 1.0,
         stop_tokens: Sequence[str] = ...,
         banned_tokens: Sequence[str] = (),
+        prefix_groups: Sequence[int] | None = None,
     ) -> Generation: ...
 
 
