@@ -1,0 +1,273 @@
+"""Tree rollouts (TreePO-style): a question's group of conversations is a tree whose branches continue
+from their shared prefix, so the prompt and the early turns are generated (and prefilled) once.
+
+One `mmrl.tree.RolloutTree` per question. The root is the prompt (image + question); every other node is
+one *segment*: a contiguous run of sampled tokens, with the tool's observation when the segment ends a
+turn with a tool call. A node holds a `TreeSegment` (the conversation up to its end, where its own tokens
+start, the leaf slots it owns); the edge into it holds the segment's sampled-token log-probs.
+
+Leaf quota. Every node owns a contiguous range of the question's G leaf slots (the root all of them).
+Branch points are the end of every turn (after the tool's result) and, with `segment_tokens > 0`, every
+`segment_tokens` tokens inside a turn. At a branch point a live node at depth d splits into
+c = min(branching[d], quota) children (branching[d] = 1 past the list), its slots shared out as evenly
+as possible in order; with c = 1 it just goes on (a chain of single-child segments is one node). The
+root splits before the first token. A node whose conversation ends becomes the leaf of its first slot
+and hands the others back to its parent as a new child (a fresh sample from the parent's state), so
+every question ends with exactly G leaves and a flat group is ``branching: [G]``.
+
+Keys. A node's generation call is keyed NoiseKey(seed, step, s * G + first slot, n), n the number of
+generation calls along its path before this one: with ``branching: [G]`` and ``segment_tokens: 0`` that
+is `rollout`'s key for conversation j's turn n, so a flat group samples the very same tokens.
+
+Every wave sends all live nodes of all questions to one `generate_turn` call; siblings that have not
+generated yet hold their parent's sequence and share a prefix group, so it is prefilled once.
+
+Limits end a conversation as in `rollout` (answer, max_turns, max_images, max_tokens, truncated), but
+each row is bounded by its own budget: one conversation near `max_tokens` does not shorten the others'
+turns. A turn is `truncated` when it used `max_new_tokens` without a stop token.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from mmrl.noise import NoiseKey
+from mmrl.tree import RolloutTree
+from vlm_rl.data import Question
+from vlm_rl.models import IM_END, TOOL_CALL_END, Segment, VLMAdapter
+from vlm_rl.rollout import ToolRolloutConfig, Trajectory, TurnGenerator, prompt_segment, run_tool
+from vlm_rl.tools import CropSettings, ImageStore, ToolStats
+
+
+@dataclass
+class TreeSegment:
+    """A tree node's state: the conversation from the root to the node's end, and where its own tokens
+    (sampled, then any observation) begin in it. Frozen once the node splits or ends; children fork it."""
+
+    trajectory: Trajectory
+    start: int
+    slots: range  # the leaf slots this node owns
+    calls: int = 0  # generation calls along the path from the root, this node's own included
+    turn_ids: list[int] = field(default_factory=list)  # tokens of the turn still open at the node's end
+    log_probs: list[float] = field(default_factory=list)  # of this node's sampled tokens
+    fresh: bool = True  # nothing generated yet: the sequence is still the parent's
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.start, len(self.trajectory.sequence)
+
+
+@dataclass
+class TreeRollout:
+    """What `tree_rollout` returns. Leaves are question-major: leaf slot j of question i is
+    `leaves[i * group_size + j]`, so rewards, group ids and metrics line up as for a flat rollout."""
+
+    trees: list[RolloutTree]
+    group_size: int
+    leaves: list[Trajectory]
+    leaf_nodes: list[int]  # the tree node each leaf ends in
+    token_nodes: list[list[int]]  # per leaf: the node each token belongs to (0, the root, for the prompt)
+    prefill_tokens: int  # tokens the generation calls prefilled (shared prefixes once, no padding)
+    decoded_tokens: int  # tokens sampled into the tree (each shared segment once)
+    branch_points: int  # splits into two or more children, over all trees
+
+    def set_leaf_rewards(self, rewards: Sequence[float] | Tensor) -> None:
+        """Put the leaves' rewards (in `leaves` order) on the trees."""
+        for k, reward in enumerate(torch.as_tensor(rewards).tolist()):
+            self.trees[k // self.group_size].set_leaf_reward(self.leaf_nodes[k], reward)
+
+    def token_advantages(self, node_advantages: dict[tuple[int, int], float]) -> list[Tensor]:
+        """Per leaf, the advantage of every token: A(node) of the segment it lies in (keyed by (tree
+        index, node id), as `mmrl.tree.fused_node_advantages` returns them); 0 on the prompt."""
+        return [
+            torch.tensor([node_advantages.get((k // self.group_size, n), 0.0) for n in nodes])
+            for k, nodes in enumerate(self.token_nodes)
+        ]
+
+
+def fork(trajectory: Trajectory) -> Trajectory:
+    """A copy a branch can extend without touching its parent's (images are shared, never edited)."""
+    store = copy.copy(trajectory.store)
+    store.images, store.boxes = list(store.images), list(store.boxes)
+    stats = trajectory.tool_stats
+    return replace(
+        trajectory,
+        loss_mask=list(trajectory.loss_mask),
+        old_log_probs=list(trajectory.old_log_probs),
+        store=store,
+        tool_stats=ToolStats(stats.calls, stats.successes, Counter(stats.errors)),
+    )
+
+
+@torch.no_grad()
+def tree_rollout(
+    adapter: VLMAdapter,
+    questions: Sequence[Question],
+    group_size: int,
+    cfg: ToolRolloutConfig,
+    seed: int,
+    step: int,
+    slots: Sequence[int],
+    engine: TurnGenerator | None = None,
+) -> TreeRollout:
+    """`group_size` leaves per question, grown as a tree (`cfg.tree`); `slots[i]` is question i's slot
+    in the step (its keys' prompt index is slot * group_size + leaf slot). `engine` generates the turns
+    (default: the adapter's transformers model)."""
+    if len(slots) != len(questions):
+        raise ValueError(f"{len(slots)} slots for {len(questions)} questions")
+    settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
+    branching = list(cfg.tree.branching)
+    tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
+    trees, live = [], []  # live: (tree index, node id) of the nodes still generating
+    leaf_of: dict[tuple[int, int], int] = {}  # (tree index, leaf slot) -> node id
+    counts = Counter()
+
+    def split(i: int, node_id: int, children: int) -> None:
+        """Share the node's slots out to `children` new children, in order."""
+        tree = trees[i]
+        parent = tree.nodes[node_id].state
+        q = len(parent.slots)
+        start = parent.slots.start
+        counts["branch_points"] += children > 1
+        for k in range(children):
+            size = q // children + (k < q % children)
+            add_child(i, node_id, range(start, start + size))
+            start += size
+
+    def add_child(i: int, parent_id: int, child_slots: range) -> None:
+        parent = trees[i].nodes[parent_id].state
+        state = TreeSegment(
+            fork(parent.trajectory),
+            len(parent.trajectory.sequence),
+            child_slots,
+            parent.calls,
+            list(parent.turn_ids),
+        )
+        live.append((i, trees[i].add_child(parent_id, state)))
+
+    def close(i: int, node_id: int) -> None:
+        """The node stops generating: its edge gets its log-probs; an ended one becomes a leaf."""
+        node = trees[i].nodes[node_id]
+        state = node.state
+        node.old_logp = torch.tensor(state.log_probs)
+        if not state.trajectory.ended:
+            return
+        leaf_of[(i, state.slots[0])] = node_id
+        if len(state.slots) > 1:  # the unused slots go back to the parent as a fresh branch
+            add_child(i, node.parent_id, state.slots[1:])
+            state.slots = state.slots[:1]
+
+    for i, question in enumerate(questions):
+        prompt = prompt_segment(adapter, question, cfg.system_prompt, question.image)
+        root = Trajectory(
+            prompt,
+            [False] * len(prompt),
+            [0.0] * len(prompt),
+            question.options,
+            ImageStore(question.image, settings),
+        )
+        trees.append(RolloutTree(TreeSegment(root, 0, range(group_size), fresh=False)))
+        split(i, 0, min(branching[0], group_size))
+
+    while live:
+        current, live = (
+            sorted(live, key=lambda row: (row[0], trees[row[0]].nodes[row[1]].state.slots.start)),
+            [],
+        )
+        rows, limits = [], []
+        for i, node_id in current:
+            state = trees[i].nodes[node_id].state
+            budget = cfg.max_tokens - len(state.trajectory.sequence)
+            if budget <= 0:  # at the token limit before generating: it ends
+                state.trajectory.ended = "max_tokens"
+                close(i, node_id)
+                continue
+            limit = min(cfg.max_new_tokens - len(state.turn_ids), budget)
+            rows.append((i, node_id))
+            limits.append(min(limit, cfg.tree.segment_tokens) if cfg.tree.segment_tokens else limit)
+        if not rows:
+            continue
+        states = [trees[i].nodes[node_id].state for i, node_id in rows]
+        groups: dict[tuple[int, int, bool], int] = {}  # fresh siblings hold their parent's sequence
+        prefix_groups = [
+            groups.setdefault(
+                (i, trees[i].nodes[node_id].parent_id, True) if s.fresh else (i, node_id, False), len(groups)
+            )
+            for (i, node_id), s in zip(rows, states, strict=True)
+        ]
+        out = (engine or adapter).generate_turn(
+            [s.trajectory.sequence for s in states],
+            max(limits),
+            keys=[
+                NoiseKey(seed, step, slots[i] * group_size + s.slots.start, s.calls)
+                for (i, _), s in zip(rows, states, strict=True)
+            ],
+            temperature=cfg.temperature,
+            prefix_groups=prefix_groups,
+        )
+        counts["prefill_tokens"] += out.prefill_tokens
+        for r, ((i, node_id), state, limit) in enumerate(zip(rows, states, limits, strict=True)):
+            ids, log_probs = out.token_ids[r][:limit], out.log_probs[r][:limit].tolist()
+            stopped = out.stopped[r] and len(out.token_ids[r]) <= limit  # not by a stop past the row's limit
+            counts["decoded_tokens"] += len(ids)
+            extend(adapter, state, ids, log_probs)
+            t = state.trajectory
+            if stopped:
+                state.turn_ids = []
+                if ids[-1] == answer_end:
+                    t.ended = "answer"
+                elif ids[-1] == tool_end:
+                    run_tool(adapter, t, cfg)
+            elif len(state.turn_ids) >= cfg.max_new_tokens:
+                t.ended = "truncated"
+            elif len(t.sequence) >= cfg.max_tokens:
+                t.ended = "max_tokens"
+            depth = trees[i].nodes[node_id].depth
+            children = min(branching[depth] if depth < len(branching) else 1, len(state.slots))
+            if t.ended:
+                close(i, node_id)
+            elif children == 1:  # no split: the node goes on
+                live.append((i, node_id))
+            else:
+                close(i, node_id)
+                split(i, node_id, children)
+
+    leaf_nodes = [leaf_of[(i, j)] for i in range(len(trees)) for j in range(group_size)]
+    leaves = [trees[k // group_size].nodes[n].state.trajectory for k, n in enumerate(leaf_nodes)]
+    token_nodes = []
+    for k, leaf in enumerate(leaf_nodes):
+        tree = trees[k // group_size]
+        nodes = [0] * tree.nodes[0].state.span[1]
+        for edge in tree.path_to(leaf):
+            start, end = tree.nodes[edge.child].state.span
+            nodes += [edge.child] * (end - start)
+        token_nodes.append(nodes)
+    return TreeRollout(
+        trees,
+        group_size,
+        leaves,
+        leaf_nodes,
+        token_nodes,
+        counts["prefill_tokens"],
+        counts["decoded_tokens"],
+        counts["branch_points"],
+    )
+
+
+def extend(adapter: VLMAdapter, state: TreeSegment, ids: list[int], log_probs: list[float]) -> None:
+    """Append one generated segment to a node; a segment that opens a turn counts the turn."""
+    t = state.trajectory
+    if not state.turn_ids:
+        t.turns += 1
+    t.append(Segment(ids), sampled=True, log_probs=log_probs)
+    state.turn_ids += ids
+    state.log_probs += log_probs
+    state.calls += 1
+    state.fresh = False
+    t.answer_text = adapter.decode(state.turn_ids)
