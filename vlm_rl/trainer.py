@@ -5,18 +5,22 @@ One step, top to bottom in `ToolGRPOTrainer.train_step`:
 1. the sampler picks questions (default: Beta-Thompson on each question's correctness, VADE-style,
    so questions the policy gets right about half the time come first);
 2. `group_size` multi-turn rollouts per question (`vlm_rl.rollout`), sampling noise keyed by
-   (seed, step, rollout), so a rollout does not depend on the batch it was generated in;
+   (seed, step, rollout), so a rollout does not depend on the batch it was generated in; with
+   `rollout.tree.enabled` the group is a tree whose branches share their prefix (`vlm_rl.tree_rollout`),
+   still `group_size` leaves per question;
 3. rewards from the whole group (`vlm_rl.rewards.adaptive_tool`: a correct direct answer beats a
    correct zoom when the question is answerable without one, a zoom wins when it is not);
 4. groups whose rewards are all equal teach nothing and are dropped (dynamic filtering); the
    sampler's posterior absorbs every group's correctness;
 5. group-normalised advantages (`train.advantage`), the policy loss (`train.loss`, PPO-clip by
    default) on every token the policy sampled (observation tokens are masked), `train.minibatches`
-   optimizer steps per rollout batch.
+   optimizer steps per rollout batch. Tree rollouts need a tree estimator: leaf rewards are fused up
+   each tree, every node is scored, and each leaf's whole conversation is trained with, at every
+   token, the advantage of the segment (node) it lies in.
 
 Metrics every step: reward, accuracy and tool-usage ratio (also per question kind where the data names
 kinds), accuracy with and without the tool, tool-call errors by kind, tokens per answer, how rollouts
-ended, groups kept.
+ended, groups kept; tree steps add prefilled and decoded tokens, nodes and branch points per question.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, SAMPLERS, TRAINERS, Unkno
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.samplers import keep_groups
 from mmrl.trainer import Trainer
+from mmrl.tree import RolloutTree, fused_node_advantages
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import VLMAdapter
@@ -48,6 +53,7 @@ from vlm_rl.rollout import (
     rollout,
     rollout_metrics,
 )
+from vlm_rl.tree_rollout import TreeRollout, tree_rollout
 from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 
 DEFAULT_MODEL = "vlm_rl/assets/tiny_vlm"  # shipped; `mmrl pretrain vlm` remakes it (runs/pretrain/vlm/model)
@@ -67,9 +73,10 @@ class ToolGRPOTrainConfig:
     filter_equal_groups: bool = option(True, "drop groups whose rewards are all equal (no signal)")
     advantage: str = option(
         "grpo",
-        "advantage estimator over each question's group",
+        "advantage estimator: a group one over each question's flat group, or a tree one, e.g. "
+        "tree_depthwise (scores every node of rollout.tree's trees; on flat groups, their depth-1 trees)",
         registry="advantage",
-        kinds=("group",),
+        kinds=("group", "tree"),
     )
     loss: str = option(
         "ppo_clip",
@@ -108,6 +115,19 @@ class ToolGRPOConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_group_size(self.train.advantage, self.train.group_size, "train.group_size")
+        tree = self.rollout.tree
+        if tree.enabled and not ADVANTAGES.has_kind(self.train.advantage, "tree"):
+            trees = ", ".join(ADVANTAGES.names_of_kind(("tree",)))
+            raise ConfigError(
+                f"config error: train.advantage = {self.train.advantage!r} scores the leaves of flat groups "
+                f"only, but rollout.tree.enabled = true trains shared segments that need node advantages: "
+                f"use a tree advantage ({trees}), or rollout.tree.enabled=false"
+            )
+        if tree.enabled and self.rollout.partial.enabled:
+            raise ConfigError(
+                "config error: rollout.tree.enabled and rollout.partial.enabled are not supported together: "
+                "set one of them to false"
+            )
 
 
 def check_rollout_size(
@@ -232,12 +252,19 @@ class ToolGRPOTrainer(Trainer):
         chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
         slots = list(range(rank, n * world, world))
         questions = [self.train_set[chosen[s]] for s in slots]
-        keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
         self.adapter.model.eval()
         self.sync_engine()
-        trajectories = rollout(
-            self.adapter, [q for q in questions for _ in range(g)], cfg.rollout, keys, engine=self.engine
-        )
+        tree = None
+        if cfg.rollout.tree.enabled:
+            tree = tree_rollout(
+                self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, engine=self.engine
+            )
+            trajectories = tree.leaves
+        else:
+            keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
+            trajectories = rollout(
+                self.adapter, [q for q in questions for _ in range(g)], cfg.rollout, keys, engine=self.engine
+            )
 
         answers = [q.answer for q in questions for _ in range(g)]
         correct = [t.answer == a for t, a in zip(trajectories, answers, strict=True)]
@@ -262,7 +289,12 @@ class ToolGRPOTrainer(Trainer):
         keep = torch.ones(len(chosen), dtype=torch.bool)
         if cfg.train.filter_equal_groups:
             keep = keep_groups(all_rewards, group_of_rollout, num_groups=len(chosen))
-        advantages = self.advantages(rewards, slots, keep)
+        if tree is None:
+            advantages = self.advantages(rewards, slots, keep)
+            trained = int((advantages != 0).sum())
+        else:
+            advantages = self.tree_advantages(tree, rewards, slots, keep)
+            trained = sum(bool(a.any()) for a in advantages)
 
         metrics = self.optimise(trajectories, advantages, step)
         metrics |= rollout_metrics(trajectories, correct)
@@ -271,21 +303,51 @@ class ToolGRPOTrainer(Trainer):
             "skipped_steps": self.skipped_steps,
             "reward": rewards.mean(),
             "groups_kept": keep.float().mean(),
-            "trained_sequences": int((advantages != 0).sum()),
+            "trained_sequences": trained,
         }
+        if tree is not None:
+            metrics |= {
+                "prefill_tokens": tree.prefill_tokens / len(questions),
+                "decoded_tokens": tree.decoded_tokens / len(questions),
+                "tree_nodes": sum(len(t) for t in tree.trees) / len(questions),
+                "branch_points": tree.branch_points / len(questions),
+            }
         return metrics
 
     def advantages(self, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor) -> torch.Tensor:
-        """Group-normalised advantage per rollout of this process; 0 for dropped groups."""
+        """Group-normalised advantage per rollout of this process; 0 for dropped groups. A tree
+        estimator scores each group as the depth-1 tree it is."""
         cfg = self.config.train
-        groups = torch.arange(len(slots)).repeat_interleave(cfg.group_size)
-        result = ADVANTAGES.get(cfg.advantage)(rewards, groups)
-        values = (result.values * result.loss_mask).clamp(-cfg.adv_clip, cfg.adv_clip)
-        return values * keep[torch.tensor(slots)].repeat_interleave(cfg.group_size).float()
+        g = cfg.group_size
+        if ADVANTAGES.has_kind(cfg.advantage, "tree"):
+            trees = [
+                RolloutTree.flat(None, [None] * g, rewards[k * g : (k + 1) * g]) for k in range(len(slots))
+            ]
+            node_adv = fused_node_advantages(trees, ADVANTAGES.get(cfg.advantage), "mean", clip=cfg.adv_clip)
+            values = torch.tensor([node_adv[(k // g, k % g + 1)] for k in range(len(rewards))])
+        else:
+            groups = torch.arange(len(slots)).repeat_interleave(g)
+            result = ADVANTAGES.get(cfg.advantage)(rewards, groups)
+            values = (result.values * result.loss_mask).clamp(-cfg.adv_clip, cfg.adv_clip)
+        return values * keep[torch.tensor(slots)].repeat_interleave(g).float()
 
-    def optimise(self, trajectories: list[Trajectory], advantages: torch.Tensor, step: int) -> dict[str, Any]:
+    def tree_advantages(
+        self, tree: TreeRollout, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Per leaf, every token's advantage: A(node) of its segment, from the tree estimator on the
+        leaves' rewards fused up each tree; 0 for dropped groups."""
+        cfg = self.config.train
+        tree.set_leaf_rewards(rewards)
+        node_adv = fused_node_advantages(tree.trees, ADVANTAGES.get(cfg.advantage), "mean", clip=cfg.adv_clip)
+        kept = keep[torch.tensor(slots)].float()
+        return [a * kept[k // cfg.group_size] for k, a in enumerate(tree.token_advantages(node_adv))]
+
+    def optimise(
+        self, trajectories: list[Trajectory], advantages: torch.Tensor | list[torch.Tensor], step: int
+    ) -> dict[str, Any]:
         """The policy loss on the sampled tokens, `train.minibatches` optimizer steps over a keyed
-        shuffle; a non-finite loss or gradient skips the step (`Trainer.skip_step`)."""
+        shuffle; a non-finite loss or gradient skips the step (`Trainer.skip_step`). `advantages`: one
+        per sequence, or (tree rollouts) one per token of each sequence."""
         cfg = self.config.train
         order = torch.randperm(
             len(trajectories), generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
@@ -299,7 +361,10 @@ class ToolGRPOTrainer(Trainer):
             tokens = sum(trajectories[i].generated_tokens for i in part)
             for start in range(0, len(part), cfg.micro_batch):
                 rows = part[start : start + cfg.micro_batch]
-                loss, metrics = self.micro_batch_loss([trajectories[i] for i in rows], advantages[rows])
+                loss, metrics = self.micro_batch_loss(
+                    [trajectories[i] for i in rows],
+                    advantages[rows] if torch.is_tensor(advantages) else [advantages[i] for i in rows],
+                )
                 if not self.all_finite(loss):
                     self.skip_step("non-finite loss", cfg.nan_patience)
                 weight = sum(trajectories[i].generated_tokens for i in rows) / max(tokens, 1)
@@ -316,7 +381,7 @@ class ToolGRPOTrainer(Trainer):
         } | merged
 
     def micro_batch_loss(
-        self, trajectories: list[Trajectory], advantages: torch.Tensor
+        self, trajectories: list[Trajectory], advantages: torch.Tensor | list[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.config
         batch = self.adapter.collate([t.sequence for t in trajectories], "right")
@@ -326,6 +391,11 @@ class ToolGRPOTrainer(Trainer):
         for row, t in enumerate(trajectories):
             mask[row, : len(t.loss_mask)] = torch.tensor(t.loss_mask)
             old[row, : len(t.old_log_probs)] = torch.tensor(t.old_log_probs)
+        if not torch.is_tensor(advantages):  # per token: [B, L] like the log-probs
+            per_token = torch.zeros(len(trajectories), length)
+            for row, values in enumerate(advantages):
+                per_token[row, : len(values)] = values
+            advantages = per_token
         device = self.adapter.device
         mask, old = mask.to(device), old.to(device)
         logp = self.adapter.token_log_probs(

@@ -1,0 +1,361 @@
+"""Tree rollouts of the pixel-tool trainer (TreePO-style): a flat group is the depth-1 tree, leaf quotas
+and refills, shared prefixes, per-token node advantages, the update's direction, the recipe end to end."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from mmrl.advantages import tree_depthwise
+from mmrl.cli import load_plugins, main
+from mmrl.config import ConfigError, load_config
+from mmrl.noise import NoiseKey
+from mmrl.tree import fused_node_advantages
+from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
+from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, VLMAdapter, shared_prefixes
+from vlm_rl.rollout import ToolRolloutConfig, TreeRolloutConfig, prompt_segment, rollout
+from vlm_rl.trainer import DEFAULT_MODEL, ToolGRPOTrainer, load_policy
+from vlm_rl.tree_rollout import tree_rollout
+
+load_plugins()
+
+DATA = DataConfig(heldout_size=8, train_size=16)
+ANSWER = "<answer>B</answer><|im_end|>"
+TOOL = tool_call_text((0.0, 0.0, 0.5, 0.5))
+TINY = [
+    "progress=false",
+    "data.train_size=16",
+    "data.heldout_size=4",
+    "eval_every=0",
+    "eval_modes=[auto]",
+    "train.questions_per_step=2",
+    "train.group_size=4",
+]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """The shipped base: it zooms and answers, so trees branch at real turn ends."""
+    return load_policy(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def questions():
+    heldout = QuestionSet(DATA, "heldout")
+    return [heldout[i] for i in range(4)]
+
+
+def tree_cfg(branching, segment_tokens=0, **rollout):
+    tree = TreeRolloutConfig(enabled=True, branching=branching, segment_tokens=segment_tokens)
+    return ToolRolloutConfig(**rollout, tree=tree)
+
+
+class ScriptedEngine:
+    """A turn generator that writes `script(prompt index, call)` for a row keyed (.., prompt, call),
+    with log-probs that name the key, and checks and records what the tree rollout asks of it."""
+
+    def __init__(self, adapter, script):
+        self.adapter, self.script, self.calls = adapter, script, []
+
+    def generate_turn(self, sequences, max_new_tokens, keys=None, prefix_groups=None, **_):
+        distinct, _ = shared_prefixes(sequences, prefix_groups)  # raises unless groups hold one sequence
+        self.calls.append(([(k.prompt, k.node) for k in keys], list(prefix_groups)))
+        stops = self.adapter.token_ids_of([IM_END, TOOL_CALL_END])
+        ids, log_probs, stopped = [], [], []
+        for key in keys:
+            row = self.adapter.segment(self.script(key.prompt, key.node)).token_ids[:max_new_tokens]
+            ids.append(row)
+            log_probs.append(-(key.prompt + 1) - 0.01 * key.node - 0.001 * torch.arange(len(row)))
+            stopped.append(row[-1] in stops)
+        prefill = sum(len(sequences[i]) for i in distinct)
+        return Generation(ids, log_probs, stopped, prefill)
+
+
+def test_a_flat_branching_is_the_flat_rollout(policy, questions, monkeypatch):
+    """branching [G]: the same tokens and log-probs as `rollout` under the same keys; only the first
+    turn's prompt is prefilled once per question instead of G times."""
+    g, slots, cfg = 4, [0, 3, 1, 2], tree_cfg([4])
+    tree = tree_rollout(policy, questions, g, cfg, seed=7, step=2, slots=slots)
+    keys = [NoiseKey(7, 2, s * g + j, 0) for s in slots for j in range(g)]
+    prefilled, generate_turn = [], policy.generate_turn
+
+    def counted(*args, **kwargs):
+        out = generate_turn(*args, **kwargs)
+        prefilled.append(out.prefill_tokens)
+        return out
+
+    monkeypatch.setattr(policy, "generate_turn", counted)
+    flat = rollout(policy, [q for q in questions for _ in range(g)], cfg, keys)
+    assert [t.ended for t in tree.leaves] == [t.ended for t in flat]
+    assert any(t.turns > 1 for t in flat)  # the comparison covers tool turns
+    for leaf, conversation in zip(tree.leaves, flat, strict=True):
+        assert leaf.sequence.token_ids == conversation.sequence.token_ids
+        assert leaf.loss_mask == conversation.loss_mask and leaf.turns == conversation.turns
+        assert leaf.answer_text == conversation.answer_text
+        assert torch.allclose(
+            torch.tensor(leaf.old_log_probs), torch.tensor(conversation.old_log_probs), atol=1e-5
+        )
+    assert all(len(t) == g + 1 and t.depth == 1 for t in tree.trees)
+    assert tree.branch_points == len(questions)  # each root's split
+    assert tree.decoded_tokens == sum(t.generated_tokens for t in flat)
+    prompts = sum(len(prompt_segment(policy, q, None)) for q in questions)
+    assert tree.prefill_tokens == sum(prefilled) - (g - 1) * prompts
+
+
+@pytest.mark.parametrize(("branching", "group_size"), [([2, 2], 4), ([4, 2], 8), ([3], 8), ([2, 2], 8)])
+def test_every_question_ends_with_its_group_of_leaves(policy, questions, branching, group_size):
+    """Slots are shared out in order at every split, a branch that ends early hands its spare slots
+    back as a fresh branch of its parent, and each slot ends in exactly one leaf."""
+    tree = tree_rollout(
+        policy, questions, group_size, tree_cfg(branching), seed=0, step=1, slots=[0, 1, 2, 3]
+    )
+    assert len(tree.leaves) == len(questions) * group_size and all(t.ended for t in tree.leaves)
+    refills = 0
+    for i, t in enumerate(tree.trees):
+        leaves = tree.leaf_nodes[i * group_size : (i + 1) * group_size]
+        assert sorted(leaves) == t.leaves()
+        assert [t.nodes[n].state.slots for n in leaves] == [range(j, j + 1) for j in range(group_size)]
+        assert t.nodes[0].state.slots == range(group_size)
+        for node in t.nodes:
+            if node.is_leaf:
+                continue
+            owned = [j for child in node.children for j in t.nodes[child].state.slots]
+            assert sorted(owned) == list(node.state.slots)
+            split = min(branching[node.depth] if node.depth < len(branching) else 1, len(node.state.slots))
+            assert len(node.children) >= split
+            refills += len(node.children) - split
+        for k in range(i * group_size, (i + 1) * group_size):  # a leaf's tokens are its path's segments
+            path = [0] + [edge.child for edge in t.path_to(tree.leaf_nodes[k])]
+            nodes = tree.token_nodes[k]
+            assert len(nodes) == len(tree.leaves[k].sequence) and list(dict.fromkeys(nodes)) == path
+    assert refills > 0, "no branch ended early, so no refill was tested"
+
+
+def test_leaves_of_a_split_share_the_parent_exactly(policy, questions):
+    g = 8
+    tree = tree_rollout(policy, questions, g, tree_cfg([4, 2]), seed=0, step=1, slots=[0, 1, 2, 3])
+    splits = 0
+    for i, t in enumerate(tree.trees):
+        for parent in t.nodes[1:]:
+            if parent.is_leaf:
+                continue
+            splits += 1
+            start, end = parent.state.span
+            before = parent.state.trajectory
+            leaves = [
+                tree.leaves[k] for k in range(i * g, (i + 1) * g) if parent.node_id in tree.token_nodes[k]
+            ]
+            assert len(leaves) == len(parent.state.slots) >= 2
+            for leaf in leaves:  # the parent's tokens, log-probs and mask, exactly
+                assert leaf.sequence.token_ids[:end] == before.sequence.token_ids
+                assert leaf.old_log_probs[:end] == before.old_log_probs
+                assert leaf.loss_mask[:end] == before.loss_mask
+            sampled = [
+                p
+                for m, p in zip(before.loss_mask[start:end], before.old_log_probs[start:end], strict=True)
+                if m
+            ]
+            assert torch.equal(parent.old_logp, torch.tensor(sampled))
+    assert splits > 0
+
+
+def test_siblings_sample_afresh(questions):
+    """Every split's children draw their own tokens (an untrained model, split every 3 tokens)."""
+    model = VLMAdapter.tiny(task_vocabulary(DATA, samples=50))
+    cfg = tree_cfg([2, 2, 2], segment_tokens=3, max_new_tokens=9)
+    tree = tree_rollout(model, questions[:2], 8, cfg, seed=0, step=0, slots=[0, 1])
+    groups = 0
+    for t in tree.trees:
+        for parent in t.nodes:
+            kids = [t.nodes[c].state for c in parent.children]
+            firsts = {tuple(kid.trajectory.sequence.token_ids[kid.start : kid.span[1]]) for kid in kids}
+            assert len(firsts) == len(kids)
+            groups += len(kids) > 1
+    assert groups == 2 * (1 + 2 + 4)
+
+
+def test_quota_refill_keys_prefix_groups_and_node_advantages(policy, questions):
+    """A hand-checked tree: G = 4, branching [2, 2]. Branch A (slots 0-1) zooms, then splits in two
+    answers; branch B (slots 2-3) answers at once, so slot 3 comes back as a fresh branch R of the
+    root. Rewards 1, 0, 0, 0 give A > B = R at depth 1 and A0 > A1 at depth 2."""
+    g, s = 4, 5
+
+    def script(prompt, call):
+        return TOOL if (prompt - s * g, call) == (0, 0) else ANSWER
+
+    engine = ScriptedEngine(policy, script)
+    tree = tree_rollout(policy, questions[:1], g, tree_cfg([2, 2]), seed=0, step=0, slots=[s], engine=engine)
+    (t,) = tree.trees
+    root, a, b, a0, a1, r = range(6)
+    assert [(n.parent_id, list(n.state.slots)) for n in t.nodes[1:]] == [
+        (root, [0, 1]),
+        (root, [2]),  # it owned 2-3 and handed 3 back
+        (a, [0]),
+        (a, [1]),
+        (root, [3]),
+    ]
+    assert tree.leaf_nodes == [a0, a1, b, r] and tree.branch_points == 2
+    # keys: (prompt s*G + first slot, calls along the path); fresh siblings share one prefix group
+    assert engine.calls == [
+        ([(20, 0), (22, 0)], [0, 0]),
+        ([(20, 1), (21, 1), (23, 0)], [0, 0, 1]),
+    ]
+    prompt = len(prompt_segment(policy, questions[0], None))
+    assert tree.prefill_tokens == prompt + len(t.nodes[a].state.trajectory.sequence) + prompt
+    assert tree.decoded_tokens == len(policy.segment(TOOL)) + 4 * len(policy.segment(ANSWER))
+    assert [leaf.turns for leaf in tree.leaves] == [2, 2, 1, 1] and all(
+        x.ended == "answer" for x in tree.leaves
+    )
+    assert tree.leaves[0].used_tool and not tree.leaves[3].used_tool
+
+    tree.set_leaf_rewards(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    node_adv = fused_node_advantages(tree.trees, tree_depthwise, "mean", clip=5.0)
+    std1 = math.sqrt(((0.5 - 1 / 6) ** 2 + 2 * (1 / 6) ** 2) / 3)  # fused A = 0.5, B = R = 0
+    expected = {a: (1 / 3) / std1, b: -(1 / 6) / std1, r: -(1 / 6) / std1, a0: 1.0, a1: -1.0}
+    assert {n: node_adv[(0, n)] for n in expected} == pytest.approx(expected, rel=1e-4)
+    per_token = tree.token_advantages(node_adv)
+    for k, leaf in enumerate(tree.leaves):
+        nodes = tree.token_nodes[k]
+        for position, (node, sampled) in enumerate(zip(nodes, leaf.loss_mask, strict=True)):
+            assert per_token[k][position] == pytest.approx(0.0 if node == root else expected[node], rel=1e-4)
+            assert not sampled or node != root
+    # leaf A0: its zoom turn (and the crop shown after it) carries A's advantage, its answer A0's
+    zoom = len(policy.segment(TOOL))
+    assert per_token[0][prompt : prompt + zoom].tolist() == pytest.approx([expected[a]] * zoom, rel=1e-4)
+    assert per_token[0][-4:].tolist() == pytest.approx([1.0] * 4, rel=1e-4)
+
+
+def test_a_turn_goes_on_across_segments_and_truncates_at_max_new_tokens(policy, questions):
+    """segment_tokens splits inside a turn; the children finish the same turn (one turn, its text
+    whole), and only the turn's max_new_tokens truncates it."""
+
+    def script(prompt, call):
+        return ["<answer>", "B", "</answer>", "<|im_end|>"][call]  # one token a call
+
+    cfg = tree_cfg([1, 2], segment_tokens=1)
+    tree = tree_rollout(
+        policy, questions[:1], 2, cfg, seed=0, step=0, slots=[0], engine=ScriptedEngine(policy, script)
+    )
+    assert [x.turns for x in tree.leaves] == [1, 1] and [x.ended for x in tree.leaves] == ["answer"] * 2
+    assert [x.answer for x in tree.leaves] == ["B", "B"] and tree.leaves[0].answer_text == ANSWER
+    assert [len(n.children) for n in tree.trees[0].nodes] == [1, 2, 0, 0]
+
+    def rambling(prompt, call):
+        return "the the the the the the"
+
+    cfg = tree_cfg([1, 2], segment_tokens=3, max_new_tokens=5)
+    engine = ScriptedEngine(policy, rambling)
+    tree = tree_rollout(policy, questions[:1], 2, cfg, seed=0, step=0, slots=[0], engine=engine)
+    assert [x.ended for x in tree.leaves] == ["truncated"] * 2 and [
+        x.generated_tokens for x in tree.leaves
+    ] == [5, 5]
+    assert [keys for keys, _ in engine.calls] == [[(0, 0)], [(0, 1), (1, 1)]]
+
+
+def trainer_for(tmp_path, recipe, *overrides):
+    config = load_config(recipe, [*TINY, f"output_dir={tmp_path}", *overrides])
+    trainer = ToolGRPOTrainer(config)
+    trainer.prepare_run_dir()
+    trainer.seed_everything()
+    trainer.setup()
+    return trainer
+
+
+def test_a_flat_tree_trains_like_the_flat_group(tmp_path):
+    """branching [G] with tree_depthwise gives grpo's loss and update on the same conversations."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
+    runs = {}
+    for name, overrides in {
+        "flat": ["train.advantage=grpo"],
+        "tree": ["rollout.tree.enabled=true", "rollout.tree.branching=[4]", "train.advantage=tree_depthwise"],
+    }.items():
+        trainer = trainer_for(tmp_path / name, "vlm/tool_grpo", "train.kl_coef=0.1", *overrides)
+        trainer.reward_fn = lambda texts, **kwargs: rewards
+        metrics = trainer.train_step(0)
+        runs[name] = metrics, trainer.adapter.model.state_dict()
+    (flat, flat_weights), (tree, tree_weights) = runs["flat"], runs["tree"]
+    assert flat["trained_sequences"] == tree["trained_sequences"] == 8
+    assert tree["loss"] == pytest.approx(flat["loss"], rel=1e-4, abs=1e-7) and flat["loss"] != 0
+    assert tree["kl"] == pytest.approx(flat["kl"], rel=1e-4, abs=1e-9)
+    for key in ("accuracy", "tool_ratio", "tokens_per_answer", "reward", "groups_kept"):
+        assert tree[key] == flat[key]
+    assert {"prefill_tokens", "decoded_tokens", "tree_nodes", "branch_points"} <= set(tree)
+    assert not {"prefill_tokens", "tree_nodes"} & set(flat)
+    assert all(torch.allclose(tree_weights[k], flat_weights[k], atol=1e-6) for k in flat_weights)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_rewarded_leaf_becomes_more_likely(tmp_path, sign):
+    """Leaf 0 alone rewarded (sign 1) or alone not (sign -1): every sampled token of it gets an
+    advantage of that sign through the tree's node advantages, and one update raises its log-prob,
+    or lowers it."""
+    trainer = trainer_for(
+        tmp_path,
+        "vlm/tool_grpo_tree",
+        "train.questions_per_step=1",
+        "rollout.tree.branching=[2,2]",
+        "train.kl_coef=0",
+        "train.minibatches=1",
+        "train.lr=1e-5",
+    )
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0] if sign > 0 else [0.0, 1.0, 1.0, 1.0])
+    trainer.reward_fn = lambda texts, **kwargs: rewards
+    real, seen = trainer.optimise, {}
+
+    def leaf_log_prob(leaf):
+        batch = trainer.adapter.collate([leaf.sequence], "right")
+        with torch.no_grad():
+            return float(trainer.adapter.token_log_probs(batch, torch.tensor([leaf.loss_mask])).sum())
+
+    def optimise(trajectories, advantages, step):
+        leaf = trajectories[0]
+        seen["advantages"] = [a for a, m in zip(advantages[0].tolist(), leaf.loss_mask, strict=True) if m]
+        seen["before"] = leaf_log_prob(leaf)
+        out = real(trajectories, advantages, step)
+        trainer.adapter.model.eval()
+        seen["after"] = leaf_log_prob(leaf)
+        return out
+
+    trainer.optimise = optimise
+    trainer.train_step(0)
+    assert seen["advantages"] and all(a * sign > 0 for a in seen["advantages"])
+    assert (seen["after"] - seen["before"]) * sign > 0
+
+
+def test_the_tree_recipe_trains_and_resumes(tmp_path):
+    overrides = [*TINY, "rollout.tree.branching=[2,2]", "checkpoint_every=1", "rollout.max_new_tokens=24"]
+
+    def run(out, steps, *extra):
+        assert (
+            main(["train", "vlm/tool_grpo_tree", f"output_dir={out}", f"steps={steps}", *overrides, *extra])
+            == 0
+        )
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        weights = VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
+
+    straight_rows, straight = run(tmp_path / "straight", 2)
+    assert len(straight_rows) == 2
+    for row in straight_rows:
+        assert {"prefill_tokens", "decoded_tokens", "tree_nodes", "branch_points", "loss", "accuracy"} <= set(
+            row
+        )
+        assert row["tree_nodes"] >= 1 + 4 and 1 <= row["branch_points"] <= 3
+    run(tmp_path / "stopped", 1)
+    resumed_rows, resumed = run(tmp_path / "stopped", 2, "resume=true")
+    assert resumed_rows == straight_rows
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.advantage=grpo"], "use a tree advantage (tree_depthwise"),
+        (["rollout.partial.enabled=true"], "not supported together"),
+    ],
+)
+def test_tree_rollouts_refuse_what_they_cannot_train(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config("vlm/tool_grpo_tree", overrides)
+    load_config("vlm/tool_grpo", ["train.advantage=tree_depthwise"])  # flat groups are depth-1 trees
