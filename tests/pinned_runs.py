@@ -66,6 +66,7 @@ RUNS: dict[str, list[str]] = {
     "diffusion/flat_grpo": [*TINY_DIFFUSION, "rollout.branch_factor=4"],
     "vlm/tool_grpo": TINY_VLM,
     "vlm/tool_grpo_cost": TINY_VLM,
+    "vlm/tool_grpo_tree": [*TINY_VLM, "rollout.tree.branching=[2,2]"],  # group_size 4: [4, 2] would be flat
     "vla/awr": TINY_VLA,
     "vla/bc": TINY_VLA,
     "vla/dagger": TINY_VLA,
