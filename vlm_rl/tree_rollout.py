@@ -105,6 +105,80 @@ def fork(trajectory: Trajectory) -> Trajectory:
     )
 
 
+class Forest:
+    """The trees of one step while they grow: which nodes still generate, which leaf slots are taken."""
+
+    def __init__(self, branching: Sequence[int], group_size: int) -> None:
+        self.branching, self.group_size = list(branching), group_size
+        self.trees: list[RolloutTree] = []
+        self.live: list[tuple[int, int]] = []  # (tree index, node id) of the nodes still generating
+        self.leaf_of: dict[tuple[int, int], int] = {}  # (tree index, leaf slot) -> node id
+        self.branch_points = 0
+
+    def plant(self, root: Trajectory) -> None:
+        """A question's tree: the prompt as root, split at once into its first branches."""
+        self.trees.append(RolloutTree(TreeSegment(root, 0, range(self.group_size), fresh=False)))
+        self.branch(len(self.trees) - 1, 0)
+
+    def width(self, i: int, node_id: int) -> int:
+        """How many children the node splits into at a branch point (1: it goes on)."""
+        node = self.trees[i].nodes[node_id]
+        per_depth = self.branching[node.depth] if node.depth < len(self.branching) else 1
+        return min(per_depth, len(node.state.slots))
+
+    def branch(self, i: int, node_id: int) -> None:
+        """Share the node's slots out to `width` new children, in order, as evenly as possible."""
+        slots, children = self.trees[i].nodes[node_id].state.slots, self.width(i, node_id)
+        self.branch_points += children > 1
+        start = slots.start
+        for k in range(children):
+            size = len(slots) // children + (k < len(slots) % children)
+            self.add_child(i, node_id, range(start, start + size))
+            start += size
+
+    def add_child(self, i: int, parent_id: int, slots: range) -> None:
+        """A live child that starts from the parent's end (the parent's generation calls included)."""
+        parent = self.trees[i].nodes[parent_id].state
+        trajectory = fork(parent.trajectory)
+        state = TreeSegment(trajectory, len(trajectory.sequence), slots, parent.calls, list(parent.turn_ids))
+        self.live.append((i, self.trees[i].add_child(parent_id, state)))
+
+    def close(self, i: int, node_id: int) -> None:
+        """The node stops generating: its edge gets its log-probs; an ended one becomes the leaf of its
+        first slot and hands the others back to its parent as a fresh branch."""
+        node = self.trees[i].nodes[node_id]
+        state = node.state
+        node.old_logp = torch.tensor(state.log_probs)
+        if not state.trajectory.ended:
+            return
+        self.leaf_of[(i, state.slots[0])] = node_id
+        if len(state.slots) > 1:
+            self.add_child(i, node.parent_id, state.slots[1:])
+            state.slots = state.slots[:1]
+
+    def result(self, prefill_tokens: int, decoded_tokens: int) -> TreeRollout:
+        g = self.group_size
+        leaf_nodes = [self.leaf_of[(i, j)] for i in range(len(self.trees)) for j in range(g)]
+        token_nodes = []
+        for k, leaf in enumerate(leaf_nodes):
+            tree = self.trees[k // g]
+            nodes = [0] * tree.nodes[0].state.span[1]
+            for edge in tree.path_to(leaf):
+                start, end = tree.nodes[edge.child].state.span
+                nodes += [edge.child] * (end - start)
+            token_nodes.append(nodes)
+        return TreeRollout(
+            self.trees,
+            g,
+            [self.trees[k // g].nodes[n].state.trajectory for k, n in enumerate(leaf_nodes)],
+            leaf_nodes,
+            token_nodes,
+            prefill_tokens,
+            decoded_tokens,
+            self.branch_points,
+        )
+
+
 @torch.no_grad()
 def tree_rollout(
     adapter: VLMAdapter,
@@ -122,102 +196,55 @@ def tree_rollout(
     if len(slots) != len(questions):
         raise ValueError(f"{len(slots)} slots for {len(questions)} questions")
     settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
-    branching = list(cfg.tree.branching)
     tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
-    trees, live = [], []  # live: (tree index, node id) of the nodes still generating
-    leaf_of: dict[tuple[int, int], int] = {}  # (tree index, leaf slot) -> node id
-    counts = Counter()
-
-    def split(i: int, node_id: int, children: int) -> None:
-        """Share the node's slots out to `children` new children, in order."""
-        tree = trees[i]
-        parent = tree.nodes[node_id].state
-        q = len(parent.slots)
-        start = parent.slots.start
-        counts["branch_points"] += children > 1
-        for k in range(children):
-            size = q // children + (k < q % children)
-            add_child(i, node_id, range(start, start + size))
-            start += size
-
-    def add_child(i: int, parent_id: int, child_slots: range) -> None:
-        parent = trees[i].nodes[parent_id].state
-        state = TreeSegment(
-            fork(parent.trajectory),
-            len(parent.trajectory.sequence),
-            child_slots,
-            parent.calls,
-            list(parent.turn_ids),
-        )
-        live.append((i, trees[i].add_child(parent_id, state)))
-
-    def close(i: int, node_id: int) -> None:
-        """The node stops generating: its edge gets its log-probs; an ended one becomes a leaf."""
-        node = trees[i].nodes[node_id]
-        state = node.state
-        node.old_logp = torch.tensor(state.log_probs)
-        if not state.trajectory.ended:
-            return
-        leaf_of[(i, state.slots[0])] = node_id
-        if len(state.slots) > 1:  # the unused slots go back to the parent as a fresh branch
-            add_child(i, node.parent_id, state.slots[1:])
-            state.slots = state.slots[:1]
-
-    for i, question in enumerate(questions):
+    forest = Forest(cfg.tree.branching, group_size)
+    for question in questions:
         prompt = prompt_segment(adapter, question, cfg.system_prompt, question.image)
-        root = Trajectory(
-            prompt,
-            [False] * len(prompt),
-            [0.0] * len(prompt),
-            question.options,
-            ImageStore(question.image, settings),
+        store = ImageStore(question.image, settings)
+        forest.plant(Trajectory(prompt, [False] * len(prompt), [0.0] * len(prompt), question.options, store))
+    prefill_tokens = decoded_tokens = 0
+    while forest.live:
+        wave = sorted(
+            forest.live, key=lambda row: (row[0], forest.trees[row[0]].nodes[row[1]].state.slots.start)
         )
-        trees.append(RolloutTree(TreeSegment(root, 0, range(group_size), fresh=False)))
-        split(i, 0, min(branching[0], group_size))
-
-    while live:
-        current, live = (
-            sorted(live, key=lambda row: (row[0], trees[row[0]].nodes[row[1]].state.slots.start)),
-            [],
-        )
+        forest.live = []
         rows, limits = [], []
-        for i, node_id in current:
-            state = trees[i].nodes[node_id].state
+        for i, node_id in wave:
+            state = forest.trees[i].nodes[node_id].state
             budget = cfg.max_tokens - len(state.trajectory.sequence)
             if budget <= 0:  # at the token limit before generating: it ends
                 state.trajectory.ended = "max_tokens"
-                close(i, node_id)
+                forest.close(i, node_id)
                 continue
             limit = min(cfg.max_new_tokens - len(state.turn_ids), budget)
             rows.append((i, node_id))
             limits.append(min(limit, cfg.tree.segment_tokens) if cfg.tree.segment_tokens else limit)
         if not rows:
             continue
-        states = [trees[i].nodes[node_id].state for i, node_id in rows]
+        nodes = [forest.trees[i].nodes[node_id] for i, node_id in rows]
         groups: dict[tuple[int, int, bool], int] = {}  # fresh siblings hold their parent's sequence
-        prefix_groups = [
-            groups.setdefault(
-                (i, trees[i].nodes[node_id].parent_id, True) if s.fresh else (i, node_id, False), len(groups)
-            )
-            for (i, node_id), s in zip(rows, states, strict=True)
-        ]
         out = (engine or adapter).generate_turn(
-            [s.trajectory.sequence for s in states],
+            [node.state.trajectory.sequence for node in nodes],
             max(limits),
             keys=[
-                NoiseKey(seed, step, slots[i] * group_size + s.slots.start, s.calls)
-                for (i, _), s in zip(rows, states, strict=True)
+                NoiseKey(seed, step, slots[i] * group_size + node.state.slots.start, node.state.calls)
+                for (i, _), node in zip(rows, nodes, strict=True)
             ],
             temperature=cfg.temperature,
-            prefix_groups=prefix_groups,
+            prefix_groups=[
+                groups.setdefault(
+                    (i, node.parent_id, True) if node.state.fresh else (i, node.node_id, False), len(groups)
+                )
+                for (i, _), node in zip(rows, nodes, strict=True)
+            ],
         )
-        counts["prefill_tokens"] += out.prefill_tokens
-        for r, ((i, node_id), state, limit) in enumerate(zip(rows, states, limits, strict=True)):
+        prefill_tokens += out.prefill_tokens
+        for r, ((i, node_id), node, limit) in enumerate(zip(rows, nodes, limits, strict=True)):
             ids, log_probs = out.token_ids[r][:limit], out.log_probs[r][:limit].tolist()
             stopped = out.stopped[r] and len(out.token_ids[r]) <= limit  # not by a stop past the row's limit
-            counts["decoded_tokens"] += len(ids)
+            decoded_tokens += len(ids)
+            state, t = node.state, node.state.trajectory
             extend(adapter, state, ids, log_probs)
-            t = state.trajectory
             if stopped:
                 state.turn_ids = []
                 if ids[-1] == answer_end:
@@ -228,36 +255,14 @@ def tree_rollout(
                 t.ended = "truncated"
             elif len(t.sequence) >= cfg.max_tokens:
                 t.ended = "max_tokens"
-            depth = trees[i].nodes[node_id].depth
-            children = min(branching[depth] if depth < len(branching) else 1, len(state.slots))
             if t.ended:
-                close(i, node_id)
-            elif children == 1:  # no split: the node goes on
-                live.append((i, node_id))
+                forest.close(i, node_id)
+            elif forest.width(i, node_id) == 1:  # a branch point without a split: the node goes on
+                forest.live.append((i, node_id))
             else:
-                close(i, node_id)
-                split(i, node_id, children)
-
-    leaf_nodes = [leaf_of[(i, j)] for i in range(len(trees)) for j in range(group_size)]
-    leaves = [trees[k // group_size].nodes[n].state.trajectory for k, n in enumerate(leaf_nodes)]
-    token_nodes = []
-    for k, leaf in enumerate(leaf_nodes):
-        tree = trees[k // group_size]
-        nodes = [0] * tree.nodes[0].state.span[1]
-        for edge in tree.path_to(leaf):
-            start, end = tree.nodes[edge.child].state.span
-            nodes += [edge.child] * (end - start)
-        token_nodes.append(nodes)
-    return TreeRollout(
-        trees,
-        group_size,
-        leaves,
-        leaf_nodes,
-        token_nodes,
-        counts["prefill_tokens"],
-        counts["decoded_tokens"],
-        counts["branch_points"],
-    )
+                forest.close(i, node_id)
+                forest.branch(i, node_id)
+    return forest.result(prefill_tokens, decoded_tokens)
 
 
 def extend(adapter: VLMAdapter, state: TreeSegment, ids: list[int], log_probs: list[float]) -> None:
