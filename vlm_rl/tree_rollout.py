@@ -24,7 +24,8 @@ generated yet hold their parent's sequence and share a prefix group, so it is pr
 
 Limits end a conversation as in `rollout` (answer, max_turns, max_images, max_tokens, truncated), but
 each row is bounded by its own budget: one conversation near `max_tokens` does not shorten the others'
-turns. A turn is `truncated` when it used `max_new_tokens` without a stop token.
+turns. A turn is `truncated` when it used `max_new_tokens` without a stop token; one that the
+conversation's `max_tokens` cuts ends it as `max_tokens`.
 """
 
 from __future__ import annotations
