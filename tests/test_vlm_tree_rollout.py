@@ -269,6 +269,7 @@ def test_a_flat_tree_trains_like_the_flat_group(tmp_path):
     for name, overrides in {
         "flat": ["train.advantage=grpo"],
         "tree": ["rollout.tree.enabled=true", "rollout.tree.branching=[4]", "train.advantage=tree_depthwise"],
+        "flat_tree_estimator": ["train.advantage=tree_depthwise"],  # flat groups as depth-1 trees
     }.items():
         trainer = trainer_for(tmp_path / name, "vlm/tool_grpo", "train.kl_coef=0.1", *overrides)
         trainer.reward_fn = lambda texts, **kwargs: rewards
@@ -283,6 +284,7 @@ def test_a_flat_tree_trains_like_the_flat_group(tmp_path):
     assert {"prefill_tokens", "decoded_tokens", "tree_nodes", "branch_points"} <= set(tree)
     assert not {"prefill_tokens", "tree_nodes"} & set(flat)
     assert all(torch.allclose(tree_weights[k], flat_weights[k], atol=1e-6) for k in flat_weights)
+    assert runs["flat_tree_estimator"][0]["loss"] == pytest.approx(flat["loss"], rel=1e-4, abs=1e-7)
 
 
 @pytest.mark.parametrize("sign", [1, -1])
