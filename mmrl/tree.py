@@ -245,3 +245,24 @@ def fused_node_advantages(
         for t, n, a in zip(batch["tree_ids"], batch["node_ids"], values, strict=True)
         if int(n) != 0
     }
+
+
+def branch_children(branching: Sequence[int], depth: int, quota: int) -> int:
+    """How many children a node at `depth` splits into at a branch point: branching[depth] (1 past the
+    end of the list), at most one per leaf slot it owns (`quota`)."""
+    return min(branching[depth] if depth < len(branching) else 1, quota)
+
+
+def split_slots(slots: range, children: int) -> list[range]:
+    """A node's leaf slots shared out to `children` children, in order and as evenly as possible (the
+    first `len(slots) % children` get one more).
+
+    The leaf quota of a branched group: the root owns the slots [0, G), every node a contiguous range
+    of its parent's, and a branch that ends with more than one slot keeps the first for its leaf and
+    hands the rest back to its parent as a new child (a fresh continuation from the parent's state),
+    so a group ends with exactly G leaves however its branches end."""
+    if not 1 <= children <= len(slots):
+        raise ValueError(f"cannot share {len(slots)} leaf slots out to {children} children")
+    sizes = [len(slots) // children + (k < len(slots) % children) for k in range(children)]
+    ends = list(itertools.accumulate(sizes, initial=slots.start))
+    return [range(start, end) for start, end in itertools.pairwise(ends)]

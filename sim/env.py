@@ -5,11 +5,16 @@ wrist rotation in units of MAX_YAW_STEP radians per control step, and an absolut
 (-1 fully open, +1 fully closed). Position targets are set relative to the *current* joint positions,
 so the next state depends only on the current state and the action (no hidden integrator), which is
 what lets a scripted expert take over from any state.
+
+`snapshot_env` / `restore_env` save and restore everything the next steps depend on (a `Snapshot`), so
+that several branches can continue one episode from a shared prefix instead of replaying it from reset.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +48,34 @@ PROPRIO = (("ee_pos", 3), ("ee_yaw", 1), ("ee_vel", 4), ("gripper", 1))  # ee_ve
 _ARM_STEP = np.array([MAX_STEP, MAX_STEP, MAX_STEP, MAX_YAW_STEP])
 _W = mujoco.mjtWarning
 _BAD_SIM = [int(_W.mjWARN_BADQPOS), int(_W.mjWARN_BADQVEL), int(_W.mjWARN_BADQACC)]  # MuJoCo reset the data
+
+
+_SNAPSHOT_STATE = mujoco.mjtState.mjSTATE_INTEGRATION  # qpos, qvel, ctrl, mocap, warm start, time, ...
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the next steps of an `ArmEnv` episode depend on, taken between two control steps: MuJoCo's
+    integration state (positions, velocities, controls, mocap targets such as goals and pads, the
+    solver's warm start, time), the model fields an episode sets (colours, randomised physics), the
+    warning counters the instability check reads, the step counter, the instruction and the env's
+    RNG."""
+
+    physics: np.ndarray
+    model: dict[str, np.ndarray]
+    warnings: np.ndarray
+    steps: int
+    instruction: str
+    rng: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EnvSnapshot:
+    """A wrapped env's snapshot: its unwrapped env's own (`snapshot()`) and the wrappers' time-limit
+    step counters."""
+
+    state: Any
+    elapsed: tuple[int | None, ...]
 
 
 def load_scene(scene_xml: str | Path, objects_xml: str) -> mujoco.MjModel:
@@ -214,6 +247,40 @@ class ArmEnv(gym.Env):
             self._renderer.close()
             self._renderer = None
 
+    # ----- snapshots -----------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """This env's state between two steps (`Snapshot`); `restore` puts it back, in this env or in
+        another instance of the same task."""
+        physics = np.empty(mujoco.mj_stateSize(self.model, _SNAPSHOT_STATE))
+        mujoco.mj_getState(self.model, self.data, physics, _SNAPSHOT_STATE)
+        return Snapshot(
+            physics=physics,
+            model={name: getattr(self.model, name).copy() for name in NominalModel.FIELDS},
+            warnings=self.data.warning.number.copy(),
+            steps=self._steps,
+            instruction=self.instruction,
+            rng=self.np_random.bit_generator.state,
+        )
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Continue from `snapshot`: the next `step` with an action does what it did after the snapshot
+        was taken (an observation rendered before that step may differ in the last substep's
+        kinematics: take the one recorded with the snapshot)."""
+        size = mujoco.mj_stateSize(self.model, _SNAPSHOT_STATE)
+        if snapshot.physics.shape != (size,):
+            raise ValueError(
+                f"{type(self).__name__}: the snapshot holds {snapshot.physics.size} physics values, this "
+                f"model {size}: restore a snapshot into an env of the task it was taken from"
+            )
+        for name, value in snapshot.model.items():
+            getattr(self.model, name)[:] = value
+        mujoco.mj_setState(self.model, self.data, snapshot.physics, _SNAPSHOT_STATE)
+        mujoco.mj_forward(self.model, self.data)
+        self.data.warning.number[:] = snapshot.warnings
+        self._steps = snapshot.steps
+        self.instruction = snapshot.instruction
+        self.np_random.bit_generator.state = snapshot.rng
+
     # ----- observations --------------------------------------------------------------------------
     def get_state(self) -> np.ndarray:
         """The privileged state vector (proprioception, then `task_state`), whatever the obs_mode."""
@@ -266,6 +333,53 @@ class ArmEnv(gym.Env):
         if speed > self.max_velocity:
             return f"|qvel| = {speed:.3g} > max_velocity = {self.max_velocity}"
         return ""
+
+
+def _wrappers(env: gym.Env) -> Iterator[gym.Wrapper]:
+    while isinstance(env, gym.Wrapper):
+        yield env
+        env = env.env
+
+
+def snapshot_error(env: gym.Env) -> str | None:
+    """Why `snapshot_env` cannot save this env's state (None when it can): the unwrapped env must
+    have `snapshot()` and `restore(snapshot)`, as `ArmEnv` has."""
+    base = env.unwrapped
+    if callable(getattr(base, "snapshot", None)) and callable(getattr(base, "restore", None)):
+        return None
+    return (
+        f"{type(base).__name__} cannot save and restore its state: snapshot branching needs a MuJoCo env "
+        "with get/set state (snapshot() and restore(snapshot) on the unwrapped env, which mmrl's own tasks "
+        "Reach, Push and PickPlace have)"
+    )
+
+
+def snapshot_env(env: gym.Env) -> EnvSnapshot:
+    """The state of a (wrapped) env that `restore_env` puts back, time limits included."""
+    problem = snapshot_error(env)
+    if problem:
+        raise TypeError(problem)
+    limits = [w for w in _wrappers(env) if isinstance(w, gym.wrappers.TimeLimit)]
+    return EnvSnapshot(env.unwrapped.snapshot(), tuple(w._elapsed_steps for w in limits))
+
+
+def restore_env(env: gym.Env, snapshot: EnvSnapshot) -> None:
+    """Put a (wrapped) env back into `snapshot`, time limits included; an env never reset is reset
+    first, as its wrappers' checks expect (the snapshot then overwrites what the reset drew)."""
+    problem = snapshot_error(env)
+    if problem:
+        raise TypeError(problem)
+    limits = [w for w in _wrappers(env) if isinstance(w, gym.wrappers.TimeLimit)]
+    if len(limits) != len(snapshot.elapsed):
+        raise ValueError(
+            f"the snapshot was taken through {len(snapshot.elapsed)} time-limit wrappers, this env has "
+            f"{len(limits)}: restore into an env made like the one it was taken from"
+        )
+    if any(isinstance(w, gym.wrappers.OrderEnforcing) and not w.has_reset for w in _wrappers(env)):
+        env.reset()
+    env.unwrapped.restore(snapshot.state)
+    for wrapper, elapsed in zip(limits, snapshot.elapsed, strict=True):
+        wrapper._elapsed_steps = elapsed
 
 
 def sample_positions(

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.registry import ADVANTAGES
 from mmrl.resources import check_memory
 from vla_rl.baselines import BUFFER_METHODS
+from vla_rl.branching import BranchPlan
 from vla_rl.evaluate import TASK_HELP
 from vla_rl.pretrain import checked_task
 
@@ -107,11 +109,26 @@ class HABCGateConfig:
 
 @dataclass
 class HABCGRPOConfig:
-    advantage: str = option(
-        "grpo",
-        "advantage estimator over the episodes of each reset seed (binary success as reward)",
+    advantage: str | None = option(
+        None,
+        "advantage estimator on binary success: a group one over the episodes of each reset seed, a tree "
+        "one over each branched group's tree with grpo.branch_every > 0 (null: grpo, or tree_depthwise "
+        "when branching)",
         registry="advantage",
-        kinds=("group",),
+        kinds=("group", "tree"),
+    )
+    branch_every: int = option(
+        0,
+        "snapshot branching: sampled chunks between branch points, where a group's branch saves the "
+        "MuJoCo state and splits into grpo.branching children that continue from it, instead of every "
+        "episode replaying the shared prefix from reset (0: off)",
+        min=0,
+    )
+    branching: list[int] = option(
+        [2, 2],
+        "children per branch point by depth, the reset state's first (1 past the end); a branch that ends "
+        "hands its unused leaf slots back to its parent, so groups keep rollout.group_size leaves",
+        min=1,
     )
     loss: str = option(
         "ppo_clip",
@@ -196,6 +213,8 @@ class VLAHABCConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         self.rollout.task = checked_task(self.rollout.task, "rollout.task")
+        if self.grpo.advantage is None:
+            self.grpo.advantage = "tree_depthwise" if self.grpo.branch_every else "grpo"
         r = self.rollout
         if r.num_envs % r.group_size:
             raise ConfigError(
@@ -208,7 +227,12 @@ class VLAHABCConfig(BaseConfig):
                     f"config error: rollout.group_size = {r.group_size}: method grpo compares episodes of "
                     "the same reset seed, so it needs rollout.group_size >= 2"
                 )
-            check_group_size(self.grpo.advantage, r.group_size, "rollout.group_size")
+            self.check_grpo_advantage()
+        elif self.grpo.branch_every:
+            raise ConfigError(
+                f"config error: grpo.branch_every = {self.grpo.branch_every} branches GRPO groups, but "
+                f"method = {self.method!r}: use method=grpo, or grpo.branch_every=0"
+            )
         if self.train.demos and self.train.demo_episodes:
             raise ConfigError(
                 f"config error: train.demos = {self.train.demos!r} and train.demo_episodes = "
@@ -230,6 +254,44 @@ class VLAHABCConfig(BaseConfig):
                 f"{train_seeds.start}..{train_seeds.stop - 1} (rollout.seed = {r.seed}): "
                 "choose seeds that do not overlap"
             )
+
+    def check_grpo_advantage(self) -> None:
+        """A flat group needs a group advantage (of a size it accepts); a branched one, a tree advantage,
+        no take-overs (the supervisor is not part of a snapshot) and a branching list."""
+        g, r = self.grpo, self.rollout
+        tree = ADVANTAGES.has_kind(g.advantage, "tree")
+        if not g.branch_every:
+            if tree:
+                raise ConfigError(
+                    f"config error: grpo.advantage = {g.advantage!r} scores the nodes of branched groups, "
+                    "but grpo.branch_every = 0 runs flat groups: use a group advantage such as grpo, or "
+                    "set grpo.branch_every > 0"
+                )
+            check_group_size(g.advantage, r.group_size, "rollout.group_size")
+            return
+        if not tree:
+            raise ConfigError(
+                f"config error: grpo.advantage = {g.advantage!r} is a group advantage, but "
+                f"grpo.branch_every = {g.branch_every} makes every group a tree whose shared edges need node "
+                "advantages: use "
+                f"{' or '.join(ADVANTAGES.names_of_kind(('tree',)))}, or grpo.branch_every=0"
+            )
+        if not g.branching:
+            raise ConfigError(
+                "config error: grpo.branching = []: give the number of children of the reset state at least, "
+                f"e.g. [{r.group_size}]"
+            )
+        if self.intervention.enabled:
+            raise ConfigError(
+                f"config error: intervention.enabled = true with grpo.branch_every = {g.branch_every}: "
+                "the supervisor's state is not part of a snapshot, so branched groups run without "
+                "take-overs: set intervention.enabled=false"
+            )
+
+
+def branch_plan(cfg: VLAHABCConfig) -> BranchPlan:
+    """How the config's GRPO groups branch (`vla_rl.branching`)."""
+    return BranchPlan(cfg.rollout.group_size, cfg.grpo.branch_every, tuple(cfg.grpo.branching))
 
 
 def check_env_size(cfg: VLAHABCConfig, image_size: int) -> None:

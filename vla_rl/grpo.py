@@ -6,6 +6,11 @@ sampled, on this iteration's episodes only (no replay buffer; the recipe turns i
 Log-probs are those of the exploration distribution, the policy's std times `rollout.std_scale`; the
 behaviour log-probs are computed once before the first update, since the policy has not changed since
 the rollouts. Chunks whose episode has a zero (or masked) advantage carry no signal and are dropped.
+
+With snapshot branching (`grpo.branch_every`, `vla_rl.branching`) a group is a tree: `grpo.advantage`
+(a tree estimator) scores every node from the leaves' success fused up the tree
+(`mmrl.tree.fused_node_advantages`), and every chunk executed on an edge is trained once, with the
+advantage of the node the edge leads to, by the same loss.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from torch import Tensor
 
 from mmrl.advantages import Advantages
 from mmrl.registry import ADVANTAGES, LOSSES
+from mmrl.tree import fused_node_advantages
+from vla_rl.branching import BranchedGroups
 from vla_rl.online import Episode
 from vla_rl.policy import VLAPolicy
 
@@ -69,11 +76,32 @@ def chunk_batch(
 def update_grpo(
     trainer: VLAHABCTrainer, episodes: list[Episode], generator: torch.Generator
 ) -> dict[str, Any]:
-    """`train.updates` minibatches of chunks, drawn by reshuffled passes, each a `grpo.loss` step
-    through the trainer's `actor_step`; returns the update's metrics."""
+    """Group advantages over the episodes, then `train_chunks`; returns the update's metrics."""
+    return train_chunks(
+        trainer, episodes, group_advantages(episodes, trainer.config.grpo.advantage), generator
+    )
+
+
+def update_branched_grpo(
+    trainer: VLAHABCTrainer, groups: BranchedGroups, generator: torch.Generator
+) -> dict[str, Any]:
+    """Node advantages over the groups' trees, then `train_chunks` on the edges (one `Episode` each,
+    carrying the advantage of the node it leads to); returns the update's metrics."""
+    estimator = ADVANTAGES.get(trainer.config.grpo.advantage)
+    node_advantages = fused_node_advantages(groups.trees, estimator)
+    edges = groups.edges()
+    values = torch.tensor([node_advantages[(t, n)] for t, n, _ in edges])
+    advantages = Advantages(values, torch.ones(len(values), dtype=torch.bool))
+    return train_chunks(trainer, [edge for *_, edge in edges], advantages, generator)
+
+
+def train_chunks(
+    trainer: VLAHABCTrainer, episodes: list[Episode], advantages: Advantages, generator: torch.Generator
+) -> dict[str, Any]:
+    """`train.updates` minibatches of the episodes' sampled chunks, drawn by reshuffled passes, each a
+    `grpo.loss` step through the trainer's `actor_step`; returns the update's metrics."""
     cfg, g = trainer.config, trainer.config.grpo
     batch_size, scale = cfg.train.batch_size, cfg.rollout.std_scale
-    advantages = group_advantages(episodes, g.advantage)
     chunks = sampled_chunks(episodes, advantages)
     adv = advantages.values
     stats: dict[str, Any] = {"grpo_chunks": len(chunks), "grpo_adv_abs_mean": float(adv.abs().mean())}

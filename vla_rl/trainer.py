@@ -6,7 +6,9 @@ recipes share), with the scripted-expert supervisor of `vla_rl.online` taking ov
 strays; store every step with its kind (policy / intervention) in the `ReplayBuffer`; then update by
 `method`: a method of `vla_rl.baselines.BUFFER_METHODS` (habc, awr, bc, dagger) trains the critics on
 its targets, then the actor on its rows and weights, over the whole buffer; grpo updates on the
-iteration's own episodes (`vla_rl.grpo`). HABC's math is in `vla_rl.habc`.
+iteration's own episodes (`vla_rl.grpo`), with `grpo.branch_every` on groups branched from MuJoCo
+snapshots (`vla_rl.branching`), whose env steps count each shared prefix once. HABC's math is in
+`vla_rl.habc`.
 
 The actor loss is -E[w log pi(a | s)] over action chunks. An expert step t regresses steps
 t .. t+horizon-1 of its own segment (masked past the segment's end); a policy step is trained only
@@ -49,12 +51,13 @@ from mmrl.losses import aggregate_loss
 from mmrl.registry import TRAINERS
 from mmrl.trainer import StepSkipped, Trainer, warmup_cosine
 from vla_rl.baselines import BUFFER_METHODS, ActorTargets
+from vla_rl.branching import BranchedGroups, branched_rollouts
 from vla_rl.buffer import ReplayBuffer
-from vla_rl.config import VLAHABCConfig, check_env_size, seed_block
+from vla_rl.config import VLAHABCConfig, branch_plan, check_env_size, seed_block
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
-from vla_rl.grpo import update_grpo
+from vla_rl.grpo import update_branched_grpo, update_grpo
 from vla_rl.habc import Critics, CriticTargets, critic_losses
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
 from vla_rl.online import Episode, Transitions, add_to_buffer, rollouts
@@ -100,6 +103,7 @@ class VLAHABCTrainer(Trainer):
     def setup(self) -> None:
         """Load the policy, make the training envs, the expert, the critics and the replay buffer."""
         import sim
+        from sim.env import snapshot_error
         from sim.experts import expert_for
 
         cfg = self.config
@@ -119,6 +123,11 @@ class VLAHABCTrainer(Trainer):
         if cfg.rollout.max_episode_steps:
             kwargs["max_episode_steps"] = cfg.rollout.max_episode_steps
         self.envs = [sim.make(cfg.rollout.task, **kwargs) for _ in range(cfg.rollout.num_envs)]
+        if self.branched and (problem := snapshot_error(self.envs[0])):
+            raise ConfigError(
+                f"config error: grpo.branch_every = {cfg.grpo.branch_every} with rollout.task = "
+                f"{cfg.rollout.task!r}: {problem}; set grpo.branch_every=0 for this task"
+            )
         proprio_dim = self.envs[0].get_wrapper_attr("proprio_dim")
         if proprio_dim != self.policy.config.proprio_dim:
             raise ConfigError(
@@ -184,6 +193,11 @@ class VLAHABCTrainer(Trainer):
         return frame_tensors(dataset, self.policy)
 
     @property
+    def branched(self) -> bool:
+        """GRPO groups branch from snapshots (`grpo.branch_every`)."""
+        return self.config.method == "grpo" and self.config.grpo.branch_every > 0
+
+    @property
     def horizon(self) -> int:
         """Actions per predicted chunk: the length of every actor target."""
         return self.policy.config.horizon
@@ -247,10 +261,30 @@ class VLAHABCTrainer(Trainer):
             wave += 1
         return episodes
 
+    def collect_branched(self, step: int) -> BranchedGroups:
+        """Waves of num_envs / group_size branched groups until the iteration's env-step budget is
+        reached, counting each shared prefix once."""
+        cfg, r = self.config, self.config.rollout
+        per_wave = r.num_envs // r.group_size
+        first_group = r.seed + step * seed_block(cfg)
+        collected = BranchedGroups([], [], 0, 0)
+        wave = 0
+        while collected.env_steps < r.env_steps:
+            groups = [first_group + wave * per_wave + j for j in range(per_wave)]
+            noise = (cfg.seed, step, wave * per_wave)
+            collected.extend(
+                branched_rollouts(
+                    self.policy, self.envs, groups, groups, branch_plan(cfg), noise, r.std_scale
+                )
+            )
+            wave += 1
+        return collected
+
     def train_step(self, step: int) -> dict[str, Any]:
         """One iteration: supervised rollouts into the buffer, then the method's critic and actor updates."""
         cfg = self.config
-        episodes = self.collect(step)
+        branched = self.collect_branched(step) if self.branched else None
+        episodes = branched.leaves if branched is not None else self.collect(step)
         for episode in episodes:
             self.episode_length[add_to_buffer(self.buffer, episode)] = episode.length
         kept = {s.episode for kind in ("policy", "intervention") for s in self.buffer.segments[kind]}
@@ -259,7 +293,7 @@ class VLAHABCTrainer(Trainer):
         success = np.array([e.success for e in episodes])
         takeovers = np.array([e.interventions for e in episodes])
         expert_steps = sum(int(e.is_intervention.sum()) for e in episodes)
-        self.counters["env_steps"] += int(lengths.sum())
+        self.counters["env_steps"] += int(lengths.sum()) if branched is None else branched.env_steps
         self.counters["episodes"] += len(episodes)
         self.counters["interventions"] += int(takeovers.sum())
         self.counters["successes"] += int(success.sum())
@@ -276,13 +310,18 @@ class VLAHABCTrainer(Trainer):
             "buffer_policy": sizes["policy"],
             "buffer_intervention": sizes["intervention"],
         }
+        if branched is not None:  # what the same leaves would have cost replayed from reset
+            metrics["replayed_env_steps"] = int(lengths.sum())
+            metrics["branch_points"] = branched.branch_points
         # the iteration's learning rate, from the config alone: a run resumed with more steps re-spreads it
         lr = cfg.train.lr * (warmup_cosine(step, 0, cfg.steps) if cfg.train.lr_schedule == "cosine" else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         metrics["lr"] = lr
         generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 1))
-        if cfg.method == "grpo":
+        if branched is not None:
+            metrics.update(update_branched_grpo(self, branched, generator))
+        elif cfg.method == "grpo":
             metrics.update(update_grpo(self, episodes, generator))
         else:
             metrics.update(self.update(generator))
