@@ -11,7 +11,7 @@ from torch import nn
 import vla_rl.grpo
 from mmrl.config import ConfigError, load_config
 from mmrl.tree import branch_children, split_slots
-from vla_rl.branching import BranchedGroups, BranchPlan, branched_rollouts, replay_from_reset
+from vla_rl.branching import BranchedGroups, BranchPlan, branched_rollouts
 from vla_rl.grpo import chunk_batch, update_branched_grpo
 from vla_rl.policy import ClippedGaussian, VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.trainer import VLAHABCTrainer
@@ -35,6 +35,22 @@ BRANCHED = [
     "train.batch_size=8",
     "train.demo_episodes=0",
 ]
+
+
+def replay_from_reset(env, seed, actions):
+    """Reset with `seed` and execute `actions`: the observations' arrays, the success and how the
+    episode ended (None: it did not end)."""
+    obs, _ = env.reset(seed=int(seed))
+    states, images, ended, success = [obs["state"]], [obs["image"]], None, False
+    for action in actions:
+        obs, _, terminated, truncated, info = env.step(action)
+        states.append(obs["state"])
+        images.append(obs["image"])
+        success = bool(info["is_success"])
+        if terminated or truncated:
+            ended = "terminated" if terminated else "truncated"
+            break
+    return {"states": np.stack(states), "images": np.stack(images), "success": success, "ended": ended}
 
 
 # ----- the leaf quota --------------------------------------------------------------------------------
@@ -381,3 +397,25 @@ def test_a_task_without_snapshots_is_named(tmp_path):
         "MuJoCo env with get/set state.*set grpo.branch_every=0",
     ):
         VLAHABCTrainer(config).setup()
+
+
+@pytest.mark.needs_rendering
+def test_the_bench_row_compares_branched_groups_with_their_replay_from_reset(capsys):
+    from vla_rl.bench import bench_vla
+
+    options = {"num_envs": 2, "repeats": 1, "image_size": 32, "branch_group_size": 4, "branch_every": 1}
+    rows = bench_vla(steps=12, branching=[2, 2], **options)
+    row = rows[-1]
+    # episodes of 3 chunks of 4 steps: the root's 2 children run one chunk each, then split into 2
+    # leaves that run the last 2 chunks; replayed, each of the 4 leaves takes all 12 steps
+    assert row["section"] == "(d)" and row["decisions"] == 2 + 4 * 2
+    assert row["env_steps_per_decision"] == pytest.approx(4.0)
+    assert row["baseline_env_steps_per_decision"] == pytest.approx(4 * 12 / 10)
+    assert (
+        row["ratio"] == pytest.approx(40 / 48)
+        and row["verdict"] == "PASS"
+        and row["seconds_per_decision"] > 0
+    )
+    assert "snapshot-branched GRPO groups" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="branching = \\[\\]: give children per depth"):
+        bench_vla(steps=12, branching=[], **options)

@@ -12,7 +12,13 @@ SyncVectorEnv):
 - (b) rgb observations with random actions: the rendering cost alone, no policy, no target;
 - (c) vectorised: SyncVectorEnv of N envs against one plain env (state observations; lockstep on one
   core, so about 1x is expected, no target), and N envs with one batched act against one env with a
-  policy call per step (target at least 1x: batching must not lose).
+  policy call per step (target at least 1x: batching must not lose);
+- (d) snapshot-branched GRPO groups (`vla_rl.branching`) against the same groups replayed from reset:
+  env steps per trained decision (an executed chunk), target at most 1x, and seconds per trained
+  decision. The baseline rebuilds every leaf of the branched trees by resetting with its seed and
+  replaying its actions, running the policy on the rows that start a chunk (as a flat group samples
+  them), so both sides end with the same trees; the replay is checked to end every leaf where the
+  branched run did. The groups' episodes are cut at `steps` env steps.
 
 Repeats run the variants in turn and keep the median, so load from other processes hits all alike.
 Steps where a vector env auto-resets a finished episode are not counted as steps.
@@ -32,10 +38,14 @@ import torch
 from mmrl.bench_all import check_counts, print_table
 from mmrl.config import ConfigError, check_device
 from mmrl.registry import BENCHES
+from vla_rl.branching import BranchedGroups, BranchPlan, branched_rollouts
+from vla_rl.episodes import Controller, Obs, evaluating, run_episodes
+from vla_rl.online import Episode
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 
 POLICY_TARGET = 0.5  # policy-in-the-loop steps/s over raw stepping with the same observations, at least
 BATCHING_TARGET = 1.0  # N envs with batched act over one env, at least
+BRANCHING_TARGET = 1.0  # env steps per trained decision, branched over replayed from reset, at most
 
 
 def _vector_runner(
@@ -138,6 +148,93 @@ def _row(section: str, name: str, rate: float, baseline: str, base: float, targe
     }
 
 
+class ReplayChunks(Controller):
+    """Replays recorded episodes (one per reset seed, in order), calling the policy on the rows where
+    an episode sampled a chunk, as the flat group that replays them from reset would."""
+
+    def __init__(self, policy: VLAPolicy, episodes: list[Episode]) -> None:
+        self.policy, self.episodes = policy, episodes
+        self.first, self.size = 0, 0
+
+    def start(self, size: int) -> None:
+        self.first, self.size = self.first + self.size, size
+        self.t = np.zeros(size, dtype=np.int64)
+
+    def propose(self, obs: list[Obs], instructions: list[str], rows: list[int]) -> np.ndarray:
+        episodes = self.episodes[self.first : self.first + self.size]
+        starts = [j for j in rows if episodes[j].chunk_step[self.t[j]] == 0]
+        if starts:
+            batch = {key: np.stack([obs[j][key] for j in starts]) for key in ("state", "image")}
+            self.policy(self.policy.prepare(batch, [instructions[j] for j in starts])).sample()
+        actions = np.zeros((self.size, episodes[0].actions.shape[1]), np.float32)
+        for j in rows:
+            actions[j] = episodes[j].actions[self.t[j]]
+        return actions
+
+    def executed(self, j: int) -> int:
+        self.t[j] += 1
+        return int(self.episodes[self.first + j].chunk_step[self.t[j] - 1])
+
+
+def _branching_row(
+    policy: VLAPolicy, task: str, num_envs: int, steps: int, groups: int, plan: BranchPlan, repeats: int
+) -> dict[str, Any]:
+    """Row (d): branched groups and their replay from reset, timed in turn `repeats` times (medians)."""
+    import sim
+
+    size = policy.config.image_size
+    kwargs = {"obs_mode": "state+rgb", "image_size": size, "max_episode_steps": steps}
+    envs = [sim.make(task, **kwargs) for _ in range(num_envs)]
+    seconds: dict[str, list[float]] = {"branched": [], "replayed": []}
+    try:
+        with evaluating(policy):
+            for _ in range(repeats):
+                start = time.perf_counter()
+                tree = branched_rollouts(policy, envs, range(groups), range(groups), plan, (0, 0, 0), 0.3)
+                seconds["branched"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                outcomes = run_episodes(
+                    envs, [leaf.seed for leaf in tree.leaves], ReplayChunks(policy, tree.leaves)
+                )
+                seconds["replayed"].append(time.perf_counter() - start)
+    finally:
+        for env in envs:
+            env.close()
+    for leaf, outcome in zip(tree.leaves, outcomes, strict=True):
+        if (outcome.steps, outcome.success) != (leaf.length, leaf.success):
+            raise RuntimeError(
+                f"the replay of a branched episode (seed {leaf.seed}) ended after {outcome.steps} steps "
+                f"(success {outcome.success}), the branched run after {leaf.length} ({leaf.success}): "
+                "a snapshot did not restore the whole state"
+            )
+    return _decision_row(tree, sum(o.steps for o in outcomes), seconds)
+
+
+def _decision_row(
+    tree: BranchedGroups, replayed_steps: int, seconds: dict[str, list[float]]
+) -> dict[str, Any]:
+    """Row (d) from the branched trees, the replay's env steps and both sides' seconds."""
+    decisions = sum(len(edge.decisions) for *_, edge in tree.edges())
+    ratio = tree.env_steps / replayed_steps
+    branched_s, replayed_s = (statistics.median(seconds[k]) / decisions for k in ("branched", "replayed"))
+    return {
+        "section": "(d)",
+        "name": "snapshot-branched GRPO groups",
+        "env_steps_per_decision": tree.env_steps / decisions,
+        "baseline": "replayed from reset",
+        "baseline_env_steps_per_decision": replayed_steps / decisions,
+        "ratio": ratio,
+        "target": BRANCHING_TARGET,
+        "target_op": "<=",
+        "verdict": "PASS" if ratio <= BRANCHING_TARGET else "FAIL",
+        "seconds_per_decision": branched_s,
+        "baseline_seconds_per_decision": replayed_s,
+        "seconds_ratio": branched_s / replayed_s,
+        "seconds_target": None,
+        "decisions": decisions,
+    }
+
+
 @BENCHES.register("vla")
 def bench_vla(
     steps: int = 100,
@@ -147,14 +244,31 @@ def bench_vla(
     image_size: int | None = None,
     model: str | None = None,
     device: str = "cpu",
+    branch_groups: int = 1,
+    branch_group_size: int = 8,
+    branch_every: int = 5,
+    branching: list[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Env steps per second: raw stepping, policy in the loop, rgb rendering, N envs vs one; print the
-    table and return its rows. `steps` lockstep steps per variant and repeat (one-env variants take
-    `steps` steps too); `model` a VLAPolicy directory, else an untrained policy of the default
-    architecture (the speed does not depend on the weights), run on `device`."""
+    """Env steps per second: raw stepping, policy in the loop, rgb rendering, N envs vs one; and env
+    steps and seconds per trained decision of snapshot-branched GRPO groups against replay from reset;
+    print the tables and return their rows. `steps` lockstep steps per variant and repeat (one-env
+    variants take `steps` steps too; the groups' episodes at most `steps` steps); `model` a VLAPolicy
+    directory, else an untrained policy of the default architecture (the speed does not depend on
+    the weights), run on `device`. Row (d) runs `branch_groups` groups of `branch_group_size` leaves,
+    branching every `branch_every` chunks into `branching` children by depth (default [2, 2, 2])."""
     import sim
 
-    check_counts(steps=steps, num_envs=num_envs, repeats=repeats)
+    check_counts(
+        steps=steps,
+        num_envs=num_envs,
+        repeats=repeats,
+        branch_groups=branch_groups,
+        branch_group_size=branch_group_size,
+        branch_every=branch_every,
+    )
+    branching = [2, 2, 2] if branching is None else branching
+    if not branching or min(branching) < 1:
+        raise ConfigError(f"config error: branching = {branching}: give children per depth, each at least 1")
     device = check_device(device, "device")
     try:
         task = sim.task_id(task)
@@ -195,6 +309,8 @@ def bench_vla(
     finally:
         for _, close in made.values():
             close()
+    plan = BranchPlan(branch_group_size, branch_every, tuple(branching))
+    branched = _branching_row(policy, task, num_envs, steps, branch_groups, plan, repeats)
 
     n = num_envs
     raw = f"raw: state obs, random actions, {n} envs"
@@ -252,4 +368,26 @@ def bench_vla(
             for row in rows
         ],
     )
-    return rows
+    print(
+        f"(d): {branch_groups} GRPO groups of {plan.group_size} leaves, branched every {plan.every} chunks "
+        f"into {list(plan.branching)} children by depth, episodes of at most {steps} steps, "
+        f"{branched['decisions']} trained decisions"
+    )
+    print_table(
+        f"VLA GRPO groups: env steps and ms per trained decision ({n} envs, median of {repeats})",
+        ["variant", "steps", "baseline", "baseline steps", "ratio", "target", "verdict", "ms", "baseline ms"],
+        [
+            [
+                f"(d) {branched['name']}",
+                f"{branched['env_steps_per_decision']:.2f}",
+                branched["baseline"],
+                f"{branched['baseline_env_steps_per_decision']:.2f}",
+                f"{branched['ratio']:.2f}x",
+                f"<= {BRANCHING_TARGET}x",
+                branched["verdict"],
+                f"{branched['seconds_per_decision'] * 1e3:.1f}",
+                f"{branched['baseline_seconds_per_decision'] * 1e3:.1f}",
+            ]
+        ],
+    )
+    return [*rows, branched]

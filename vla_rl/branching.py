@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -311,20 +311,3 @@ def leaf_episode(tree: RolloutTree, leaf: int) -> Episode:
         terminated=last.terminated,
         interventions=0,
     )
-
-
-def replay_from_reset(env: gym.Env, seed: int, actions: np.ndarray) -> dict[str, Any]:
-    """Reset with `seed` and execute `actions`: what a flat group pays to rebuild an episode (the
-    baseline of `mmrl bench vla`, and the check that a branched episode equals its replay). Returns
-    the observations' arrays, the success and how the episode ended (None: it did not end)."""
-    obs, _ = env.reset(seed=int(seed))
-    states, images, ended, success = [obs["state"]], [obs["image"]], None, False
-    for action in actions:
-        obs, _, terminated, truncated, info = env.step(action)
-        states.append(obs["state"])
-        images.append(obs["image"])
-        success = bool(info["is_success"])
-        if terminated or truncated:
-            ended = "terminated" if terminated else "truncated"
-            break
-    return {"states": np.stack(states), "images": np.stack(images), "success": success, "ended": ended}
