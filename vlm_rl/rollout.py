@@ -14,11 +14,16 @@ Malformed tool calls never raise: the error text goes back to the model and is c
 
 `tool_mode` turns the same model into the reference policies of an evaluation: "always" starts the
 first turn with ``<tool_call>`` (a forced token, not trained), "never" forbids that token.
+
+A rollout can stop early and go on later (partial rollouts, `vlm_rl.partial_rollout`):
+`continue_rollout` takes conversations already started and stops before a wave when told enough is
+done, at a turn boundary or, with `segment_tokens`, mid-turn; `sampled_turns` and
+`replay_conversation` save and rebuild an unfinished conversation without pickling its images.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
@@ -68,6 +73,12 @@ class PartialRolloutConfig:
         2,
         "a carried conversation whose first token is more than this many policy versions old is dropped "
         "(counted) and its question relaunched",
+        min=0,
+    )
+    segment_tokens: int = option(
+        0,
+        "also pause a turn after this many generated tokens, so a step can end mid-turn once enough groups "
+        "are complete (0: steps end at turn boundaries; each pause prefills the conversation again)",
         min=0,
     )
 
@@ -124,6 +135,8 @@ class Trajectory:
     tool_stats: ToolStats = field(default_factory=ToolStats)
     answer_text: str = ""  # the text of the last assistant turn
     ended: str = ""  # one of END_REASONS; "" while running
+    calls: int = 0  # generation calls so far (a paused turn takes several): the sampling key's node
+    turn_ids: list[int] = field(default_factory=list)  # the open turn's sampled tokens (paused mid-turn)
 
     @property
     def used_tool(self) -> bool:
@@ -156,6 +169,28 @@ def prompt_segment(
     return adapter.prompt_token_ids(text, image or question.image, system_prompt)
 
 
+def start_conversations(
+    adapter: VLMAdapter, questions: Sequence[Question], cfg: ToolRolloutConfig, tool_mode: ToolMode = "auto"
+) -> list[Trajectory]:
+    """One conversation per question, before its first turn: the prompt (and the forced tokens)."""
+    settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
+    trajectories = []
+    for q in questions:
+        image = q.image
+        prompt = prompt_segment(adapter, q, cfg.system_prompt, image)
+        store = ImageStore(image, settings)
+        trajectories.append(Trajectory(prompt, [False] * len(prompt), [0.0] * len(prompt), q.options, store))
+    forced = forced_tokens(adapter, tool_mode)
+    for trajectory in trajectories:
+        trajectory.append(Segment(forced), sampled=False)  # the first turn starts with them
+    return trajectories
+
+
+def forced_tokens(adapter: VLMAdapter, tool_mode: ToolMode) -> list[int]:
+    """The tokens the first turn starts with, not sampled: ``<tool_call>`` for "always"."""
+    return adapter.token_ids_of([TOOL_CALL_START]) if tool_mode == "always" else []
+
+
 @torch.no_grad()
 def rollout(
     adapter: VLMAdapter,
@@ -168,20 +203,35 @@ def rollout(
     """One conversation per question (repeat a question for a group). `keys[i]` keys the sampling
     noise of conversation i (its turn goes in the key's `node`); None decodes greedily. `engine`
     generates the turns (default: the adapter's transformers model; or a `VLLMTurnGenerator`)."""
-    settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
-    trajectories = []
-    for q in questions:
-        image = q.image
-        prompt = prompt_segment(adapter, q, cfg.system_prompt, image)
-        store = ImageStore(image, settings)
-        trajectories.append(Trajectory(prompt, [False] * len(prompt), [0.0] * len(prompt), q.options, store))
-    forced = adapter.token_ids_of([TOOL_CALL_START]) if tool_mode == "always" else []
-    for trajectory in trajectories:
-        trajectory.append(Segment(forced), sampled=False)  # the first turn starts with them
+    trajectories = start_conversations(adapter, questions, cfg, tool_mode)
+    continue_rollout(adapter, trajectories, cfg, keys, tool_mode, engine)
+    return trajectories
+
+
+@torch.no_grad()
+def continue_rollout(
+    adapter: VLMAdapter,
+    trajectories: Sequence[Trajectory],
+    cfg: ToolRolloutConfig,
+    keys: Sequence[NoiseKey] | None,
+    tool_mode: ToolMode = "auto",
+    engine: TurnGenerator | None = None,
+    segment_tokens: int = 0,
+    enough: Callable[[], bool] | None = None,
+) -> None:
+    """Generate the unfinished conversations on, in place, in waves: each wave is one generation call
+    for every unfinished conversation.
+
+    `keys[i]` keys conversation i; the number of generation calls it has had so far goes in the key's
+    `node`, so a conversation continued later (partial rollouts) never reuses the noise of a token it
+    already sampled, and one that runs in one piece is keyed by its turns as `rollout` keys it.
+    `segment_tokens` > 0 pauses a turn after that many tokens (the next wave continues it), so that
+    `enough`, asked before every wave, can end the rollout mid-turn; the conversations it leaves
+    unfinished can be continued by a later call."""
     banned = [TOOL_CALL_START] if tool_mode == "never" else []
-    tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
-    active = list(range(len(trajectories)))
-    while active:
+    forced = forced_tokens(adapter, tool_mode)
+    active = [i for i, t in enumerate(trajectories) if not t.ended]
+    while active and not (enough is not None and enough()):
         budget = min(cfg.max_tokens - len(trajectories[i].sequence) for i in active)
         if budget <= 0:  # rows at the token limit end; the others go on
             for i in active:
@@ -189,15 +239,17 @@ def rollout(
                     trajectories[i].ended = "max_tokens"
             active = [i for i in active if not trajectories[i].ended]
             continue
+        limit = min(cfg.max_new_tokens - max(len(trajectories[i].turn_ids) for i in active), budget)
+        count = min(limit, segment_tokens) if segment_tokens else limit
         turn_keys = None
         if keys is not None:
             turn_keys = [
-                NoiseKey(k.seed, k.step, k.prompt, trajectories[i].turns)
+                NoiseKey(k.seed, k.step, k.prompt, trajectories[i].calls)
                 for i, k in ((i, keys[i]) for i in active)
             ]
         out = (engine or adapter).generate_turn(
             [trajectories[i].sequence for i in active],
-            min(cfg.max_new_tokens, budget),
+            count,
             keys=turn_keys,
             temperature=cfg.temperature,
             banned_tokens=banned,
@@ -205,17 +257,101 @@ def rollout(
         for row, i in enumerate(active):
             trajectory = trajectories[i]
             ids = out.token_ids[row]
-            trajectory.append(Segment(ids), sampled=True, log_probs=out.log_probs[row].tolist())
-            trajectory.answer_text = adapter.decode((forced if trajectory.turns == 0 else []) + ids)
-            trajectory.turns += 1
-            if not out.stopped[row]:
-                trajectory.ended = "truncated"
-            elif ids[-1] == answer_end:
-                trajectory.ended = "answer"
-            elif ids[-1] == tool_end:
-                run_tool(adapter, trajectory, cfg)
+            trajectory.calls += 1
+            # a call cut short by a limit (the turn's or the token budget) truncates, one cut by
+            # segment_tokens pauses the turn
+            truncated = len(trajectory.turn_ids) + len(ids) >= cfg.max_new_tokens or count == budget
+            extend_turn(
+                adapter,
+                trajectory,
+                ids,
+                out.log_probs[row].tolist(),
+                out.stopped[row],
+                truncated,
+                cfg,
+                forced if trajectory.turns == 0 else [],
+            )
         active = [i for i in active if not trajectories[i].ended]
-    return trajectories
+
+
+def extend_turn(
+    adapter: VLMAdapter,
+    trajectory: Trajectory,
+    ids: list[int],
+    log_probs: list[float],
+    stopped: bool,
+    truncated: bool,
+    cfg: ToolRolloutConfig,
+    forced: list[int],
+) -> None:
+    """Append sampled tokens to the open turn; a turn that stopped (or is `truncated` without stopping)
+    closes: it ends the conversation with an answer or a truncation, or runs its tool call. `forced`:
+    the unsampled tokens the turn started with."""
+    trajectory.append(Segment(ids), sampled=True, log_probs=log_probs)
+    trajectory.turn_ids += ids
+    if not (stopped or truncated):
+        return  # paused: the next generation call continues this turn
+    trajectory.answer_text = adapter.decode(forced + trajectory.turn_ids)
+    trajectory.turns += 1
+    trajectory.turn_ids = []
+    tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
+    if not stopped:
+        trajectory.ended = "truncated"
+    elif ids[-1] == answer_end:
+        trajectory.ended = "answer"
+    elif ids[-1] == tool_end:
+        run_tool(adapter, trajectory, cfg)
+
+
+def sampled_turns(trajectory: Trajectory) -> list[tuple[list[int], list[float]]]:
+    """Each assistant turn's sampled tokens and their log-probs, in order (the last one may be open):
+    the runs of trained tokens, which observations (or the end) always separate."""
+    turns: list[tuple[list[int], list[float]]] = []
+    previous = False
+    for token, log_prob, sampled in zip(
+        trajectory.sequence.token_ids, trajectory.old_log_probs, trajectory.loss_mask, strict=True
+    ):
+        if sampled and not previous:
+            turns.append(([], []))
+        if sampled:
+            turns[-1][0].append(token)
+            turns[-1][1].append(log_prob)
+        previous = sampled
+    return turns
+
+
+def replay_conversation(
+    adapter: VLMAdapter,
+    question: Question,
+    cfg: ToolRolloutConfig,
+    turns: Sequence[tuple[Sequence[int], Sequence[float]]],
+    ended: str,
+    calls: int,
+    tool_mode: ToolMode = "auto",
+) -> Trajectory:
+    """Rebuild a conversation from its `sampled_turns`, how it `ended` ("" while running) and its
+    generation `calls`, by running its steps again: the prompt, each turn, the crop tool on each call.
+    Its images come back from the question and the deterministic crops, never from a pickle. A
+    conversation that does not replay to the same end (the rollout config changed) is a ValueError."""
+    (trajectory,) = start_conversations(adapter, [question], cfg, tool_mode)
+    forced = forced_tokens(adapter, tool_mode)
+    stops = adapter.token_ids_of([TOOL_CALL_END, IM_END])
+    for index, (ids, log_probs) in enumerate(turns):
+        stopped = bool(ids) and ids[-1] in stops
+        if trajectory.ended or not (stopped or index == len(turns) - 1):
+            raise ValueError(f"turn {index} of a saved conversation cannot follow the turns before it")
+        truncated = not stopped and ended == "truncated"
+        first = forced if trajectory.turns == 0 else []
+        extend_turn(adapter, trajectory, list(ids), list(log_probs), stopped, truncated, cfg, first)
+    if not trajectory.ended and ended == "max_tokens":  # ended before a wave, at the token limit
+        trajectory.ended = ended
+    if trajectory.ended != ended:
+        raise ValueError(
+            f"a saved conversation that ended {ended or 'not yet'!r} replays to "
+            f"{trajectory.ended or 'running'!r}: resume with the rollout settings it was generated with"
+        )
+    trajectory.calls = calls
+    return trajectory
 
 
 def run_tool(adapter: VLMAdapter, trajectory: Trajectory, cfg: ToolRolloutConfig) -> None:
