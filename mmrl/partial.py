@@ -51,6 +51,11 @@ class PartialMember(Protocol):
 M = TypeVar("M", bound=PartialMember)
 
 
+def groups_in_flight(target: int, over_provision: float) -> int:
+    """Groups a step starts with: the target and the over-provision, rounded up."""
+    return math.ceil(target * (1 + over_provision) - 1e-9)
+
+
 @dataclass
 class PartialGroup(Generic[M]):
     """One item's group: launched at `launch_step` in launch slot `slot`, with its members."""
@@ -101,8 +106,7 @@ class PartialGroups(Generic[M]):
 
     @property
     def in_flight(self) -> int:
-        """Groups a step starts with: the target and the over-provision, rounded up."""
-        return math.ceil(self.target * (1 + self.over_provision) - 1e-9)
+        return groups_in_flight(self.target, self.over_provision)
 
     def begin_step(self, step: int) -> StepPlan:
         """Drop the groups whose staleness at `step` would exceed the cap; say what to launch: every

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
+from mmrl.cli import load_plugins, main
 from mmrl.noise import NoiseKey
 from mmrl.partial import PartialGroups
 from vlm_rl.data import DataConfig, QuestionSet
@@ -18,6 +19,8 @@ from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
 from vlm_rl.partial_rollout import PartialRollouts
 from vlm_rl.rollout import PartialRolloutConfig, ToolRolloutConfig, rollout
+
+load_plugins()
 
 
 @dataclass
@@ -325,3 +328,37 @@ def test_a_state_from_other_settings_is_refused(policy, questions):
     )
     with pytest.raises(ValueError, match="replays to"):
         PartialRollouts(policy, questions, other, 2, G, seed=4).load_state_dict(state)
+
+
+def test_a_resumed_partial_run_repeats_the_uninterrupted_one(tmp_path):
+    args = [
+        "progress=false",
+        "data.train_size=32",
+        "data.heldout_size=4",
+        "eval_modes=[auto]",
+        "train.questions_per_step=2",
+        "train.group_size=2",
+        "train.lr=1e-3",
+        "checkpoint_every=2",
+        "rollout.partial.enabled=true",
+        "rollout.partial.over_provision=1.0",
+    ]
+
+    def run(out, steps, *extra):
+        assert main(["train", "vlm/tool_grpo", f"output_dir={out}", f"steps={steps}", *args, *extra]) == 0
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        weights = VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
+
+    straight_rows, straight = run(tmp_path / "straight", 3)
+    assert {"partial_staleness_mean", "partial_old_token_fraction", "partial_dropped"} <= set(
+        straight_rows[0]
+    )
+    run(tmp_path / "stopped", 2)
+    carried = load_checkpoint(tmp_path / "stopped" / "checkpoints" / "step_00000002").state["trainer"][
+        "partial"
+    ]
+    assert len(carried["items"]) > 0 and (carried["ended"] == 0).any()  # unfinished conversations were saved
+    resumed_rows, resumed = run(tmp_path / "stopped", 3, "resume=true")
+    assert resumed_rows == straight_rows
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

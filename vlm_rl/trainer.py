@@ -7,7 +7,9 @@ One step, top to bottom in `ToolGRPOTrainer.train_step`:
 2. `group_size` multi-turn rollouts per question (`vlm_rl.rollout`), sampling noise keyed by
    (seed, step, rollout), so a rollout does not depend on the batch it was generated in; with
    `rollout.tree.enabled` the group is a tree whose branches share their prefix (`vlm_rl.tree_rollout`),
-   still `group_size` leaves per question;
+   still `group_size` leaves per question; with `rollout.partial.enabled` (APRIL) more groups are in
+   flight than a step trains, the step trains the first `questions_per_step` complete ones and carries
+   the others, tokens and log-probs included, into the next step (`vlm_rl.partial_rollout`);
 3. rewards from the whole group (`vlm_rl.rewards.adaptive_tool`: a correct direct answer beats a
    correct zoom when the question is answerable without one, a zoom wins when it is not);
 4. groups whose rewards are all equal teach nothing and are dropped (dynamic filtering); the
@@ -20,7 +22,9 @@ One step, top to bottom in `ToolGRPOTrainer.train_step`:
 
 Metrics every step: reward, accuracy and tool-usage ratio (also per question kind where the data names
 kinds), accuracy with and without the tool, tool-call errors by kind, tokens per answer, how rollouts
-ended, groups kept; tree steps add prefilled and decoded tokens, nodes and branch points per question.
+ended, groups kept; tree steps add prefilled and decoded tokens, nodes and branch points per question;
+partial steps add the staleness of the trained conversations, the share of their tokens an older
+policy sampled, and the conversations dropped for staleness.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option, shipped_path
 from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey
+from mmrl.partial import groups_in_flight
 from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.samplers import keep_groups
@@ -45,6 +50,7 @@ from mmrl.tree import RolloutTree, fused_node_advantages
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import VLMAdapter
+from vlm_rl.partial_rollout import PartialRollouts, PartialStep
 from vlm_rl.rollout import (
     TOOL_MODES,
     ToolRolloutConfig,
@@ -155,16 +161,20 @@ def check_rollout_size(
     hidden, layers, tokens = text.hidden_size, text.num_hidden_layers, cfg.rollout.max_tokens
     synthetic = cfg.data.source == "zoom_task"
     image = 3 * cfg.data.canvas_size**2 if synthetic else 0
-    rollouts = n * g * (cfg.rollout.max_images * image + tokens * layers * 2 * hidden * 4)
+    partial = cfg.rollout.partial
+    flight = groups_in_flight(n, partial.over_provision) if partial.enabled else n
+    scale = " x (1 + rollout.partial.over_provision)" if partial.enabled else ""
+    rollouts = flight * g * (cfg.rollout.max_images * image + tokens * layers * 2 * hidden * 4)
     sequences = min(cfg.train.micro_batch, -(-n * g // cfg.train.minibatches))  # one micro-batch
     update = sequences * tokens * 4 * (ACTIVATION_FLOATS * hidden * layers + 3 * text.vocab_size)
     images = f" of {cfg.data.canvas_size} px (data.canvas_size)" if synthetic else ""
     check_memory(
         rollouts + update + questions[1] * image,
-        f"rollouts of {n} questions x {g} (train.questions_per_step x train.group_size), each up to "
-        f"{tokens} tokens (rollout.max_tokens) and {cfg.rollout.max_images} images{images}, updates of "
+        f"rollouts of {flight} questions x {g} (train.questions_per_step{scale} x train.group_size), each "
+        f"up to {tokens} tokens (rollout.max_tokens) and {cfg.rollout.max_images} images{images}, updates of "
         f"{sequences} sequences (train.micro_batch) and {questions[1]} held-out questions",
         ["train.questions_per_step", "train.group_size", "rollout.max_tokens", "train.micro_batch"]
+        + (["rollout.partial.over_provision"] if partial.enabled else [])
         + (["data.canvas_size"] if synthetic else []),
         device,
     )
@@ -220,6 +230,23 @@ class ToolGRPOTrainer(Trainer):
             except ValueError as err:  # a model this vLLM build cannot run
                 raise ConfigError(f"config error: rollout.backend = 'vllm': {err}") from None
         self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_set), seed=cfg.seed)
+        self.partial = None
+        if cfg.rollout.partial.enabled:
+            if self.accelerator.num_processes > 1:
+                raise ConfigError(
+                    "config error: rollout.partial.enabled = true runs on one process (the conversations "
+                    "a process carries are its own, and a checkpoint holds the main process's trainer "
+                    "state): launch one process, or set rollout.partial.enabled=false"
+                )
+            self.partial = PartialRollouts(
+                self.adapter,
+                self.train_set,
+                cfg.rollout,
+                cfg.train.questions_per_step,
+                cfg.train.group_size,
+                cfg.seed,
+                engine=self.engine,
+            )
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.adapter.model).requires_grad_(False)
@@ -227,10 +254,15 @@ class ToolGRPOTrainer(Trainer):
         self.policy_loss = LOSSES.get(cfg.train.loss)
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        state = {"sampler": self.sampler.state_dict()}
+        if self.partial is not None:  # the conversations carried into the next step
+            state["partial"] = self.partial.state_dict()
+        return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+        if self.partial is not None and "partial" in state:  # a run started without partial carries none
+            self.partial.load_state_dict(state["partial"])
 
     def sync_engine(self) -> None:
         """vLLM samples with the policy's current weights (they change at every optimizer step and at
@@ -249,22 +281,34 @@ class ToolGRPOTrainer(Trainer):
         cfg = self.config
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         n, g = cfg.train.questions_per_step, cfg.train.group_size
-        chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
-        slots = list(range(rank, n * world, world))
-        questions = [self.train_set[chosen[s]] for s in slots]
-        self.adapter.model.eval()
-        self.sync_engine()
-        tree = None
-        if cfg.rollout.tree.enabled:
-            tree = tree_rollout(
-                self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, engine=self.engine
-            )
-            trajectories = tree.leaves
+        tree: TreeRollout | None = None
+        partial: PartialStep | None = None
+        if self.partial is not None:  # one process: the carried groups go on, new ones fill up
+            self.adapter.model.eval()
+            self.sync_engine()
+            partial = self.partial.step(step, self.sampler.sample)
+            chosen, slots, trajectories = partial.items, list(range(n)), partial.trajectories
+            questions = [self.train_set[i] for i in chosen]
         else:
-            keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
-            trajectories = rollout(
-                self.adapter, [q for q in questions for _ in range(g)], cfg.rollout, keys, engine=self.engine
-            )
+            chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
+            slots = list(range(rank, n * world, world))
+            questions = [self.train_set[chosen[s]] for s in slots]
+            self.adapter.model.eval()
+            self.sync_engine()
+            if cfg.rollout.tree.enabled:
+                tree = tree_rollout(
+                    self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, engine=self.engine
+                )
+                trajectories = tree.leaves
+            else:
+                keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
+                trajectories = rollout(
+                    self.adapter,
+                    [q for q in questions for _ in range(g)],
+                    cfg.rollout,
+                    keys,
+                    engine=self.engine,
+                )
 
         answers = [q.answer for q in questions for _ in range(g)]
         correct = [t.answer == a for t, a in zip(trajectories, answers, strict=True)]
@@ -312,6 +356,8 @@ class ToolGRPOTrainer(Trainer):
                 "tree_nodes": sum(len(t) for t in tree.trees) / len(questions),
                 "branch_points": tree.branch_points / len(questions),
             }
+        if partial is not None:
+            metrics |= partial.metrics
         return metrics
 
     def advantages(self, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor) -> torch.Tensor:
