@@ -85,6 +85,13 @@ class BranchedGroups:
         """(tree index, node id, the edge's steps) of every non-root node, tree by tree."""
         return [(t, n.node_id, n.state.edge) for t, tree in enumerate(self.trees) for n in tree.nodes[1:]]
 
+    def without(self, groups: set[int]) -> BranchedGroups:
+        """These groups less those whose id is in `groups` (the env-step counts stay)."""
+        size = len(self.leaves) // max(len(self.trees), 1)
+        kept = [t for t in range(len(self.trees)) if self.leaves[t * size].group not in groups]
+        leaves = [leaf for t in kept for leaf in self.leaves[t * size : (t + 1) * size]]
+        return BranchedGroups([self.trees[t] for t in kept], leaves, self.env_steps, self.branch_points)
+
     def extend(self, other: BranchedGroups) -> None:
         self.trees += other.trees
         self.leaves += other.leaves

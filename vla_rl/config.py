@@ -14,9 +14,11 @@ from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import ADVANTAGES
 from mmrl.resources import check_memory
+from mmrl.samplers import build_sampler
 from vla_rl.baselines import BUFFER_METHODS
 from vla_rl.branching import BranchPlan
 from vla_rl.evaluate import TASK_HELP
+from vla_rl.online import GroupSeeds
 from vla_rl.pretrain import checked_task
 
 METHODS = (*BUFFER_METHODS, "grpo")
@@ -48,11 +50,29 @@ class HABCRolloutConfig:
     )
     group_size: int = option(1, "episodes per reset seed (grpo normalises success within such groups)", min=1)
     seed: int = option(
-        100_000, "first training reset seed; every iteration uses its own block of seeds", min=0
+        100_000,
+        "first training reset seed; every iteration uses its own block of seeds (with rollout.task_variants, "
+        "the first seed of the pool)",
+        min=0,
     )
     max_episode_steps: int = option(0, "time limit of training episodes (0: the task's own)", min=0)
     std_scale: float = option(
         0.3, "exploration: sample chunks with the policy's std times this (grpo's log-probs too)", min=1e-6
+    )
+    task_variants: int = option(
+        0,
+        "pool of training reset seeds rollout.seed .. rollout.seed + task_variants - 1 that rollout.sampler "
+        "draws each group's from, fed each group's successes (0: fresh seeds every iteration)",
+        min=0,
+    )
+    sampler: str = option(
+        "uniform",
+        "with rollout.task_variants, which variant each group gets: uniform, beta_thompson (steers towards "
+        "variants solved about half the time), dynamic_filter (grpo skips groups outside its success range)",
+        registry="sampler",
+    )
+    sampler_options: dict = option(
+        {}, "keyword options of rollout.sampler, e.g. {target: 0.5} or {lo: 0.25, hi: 0.75}"
     )
 
 
@@ -239,7 +259,8 @@ class VLAHABCConfig(BaseConfig):
                 f"{self.train.demo_episodes} both give demonstrations: set one (train.demo_episodes=0 "
                 "to use the dataset)"
             )
-        train_seeds = range(r.seed, r.seed + self.steps * seed_block(self))
+        self.check_task_variants()
+        train_seeds = range(r.seed, r.seed + (r.task_variants or self.steps * seed_block(self)))
         held_out = range(self.eval.seed, self.eval.seed + self.eval.episodes)
         if self.train.demo_episodes > held_out.start:
             raise ConfigError(
@@ -254,6 +275,25 @@ class VLAHABCConfig(BaseConfig):
                 f"{train_seeds.start}..{train_seeds.stop - 1} (rollout.seed = {r.seed}): "
                 "choose seeds that do not overlap"
             )
+
+    def check_task_variants(self) -> None:
+        """A sampler needs a pool of variants, at least one per group of a wave, and options it takes."""
+        r = self.rollout
+        if not r.task_variants:
+            if r.sampler != "uniform" or r.sampler_options:
+                raise ConfigError(
+                    f"config error: rollout.sampler = {r.sampler!r} (options {r.sampler_options}) draws from "
+                    "the pool of rollout.task_variants, but rollout.task_variants = 0 gives every group a "
+                    "fresh seed: set rollout.task_variants, e.g. 64"
+                )
+            return
+        per_wave = r.num_envs // r.group_size
+        if r.task_variants < per_wave:
+            raise ConfigError(
+                f"config error: rollout.task_variants = {r.task_variants} is fewer than the {per_wave} "
+                "groups of a wave (rollout.num_envs / rollout.group_size): raise it"
+            )
+        build_sampler(r.sampler, r.sampler_options, r.task_variants, self.seed, "rollout.sampler_options")
 
     def check_grpo_advantage(self) -> None:
         """A flat group needs a group advantage (of a size it accepts); a branched one, a tree advantage,
@@ -315,3 +355,15 @@ def seed_block(cfg: VLAHABCConfig) -> int:
     (every episode takes at least one step, so a wave takes at least num_envs steps)."""
     waves = math.ceil(cfg.rollout.env_steps / cfg.rollout.num_envs)
     return waves * (cfg.rollout.num_envs // cfg.rollout.group_size)
+
+
+def group_seeds(cfg: VLAHABCConfig) -> GroupSeeds:
+    """The reset seeds of the config's groups: fresh ones every iteration, or with
+    rollout.task_variants the sampler's draws from the pool."""
+    r = cfg.rollout
+    sampler = (
+        build_sampler(r.sampler, r.sampler_options, r.task_variants, cfg.seed, "rollout.sampler_options")
+        if r.task_variants
+        else None
+    )
+    return GroupSeeds(r.seed, r.group_size, r.num_envs // r.group_size, seed_block(cfg), sampler)

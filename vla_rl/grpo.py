@@ -77,6 +77,8 @@ def update_grpo(
     trainer: VLAHABCTrainer, episodes: list[Episode], generator: torch.Generator
 ) -> dict[str, Any]:
     """Group advantages over the episodes, then `train_chunks`; returns the update's metrics."""
+    if not episodes:  # every group filtered out by the sampler
+        return {"grpo_chunks": 0, "actor_updates": 0, "skipped_updates": 0}
     return train_chunks(
         trainer, episodes, group_advantages(episodes, trainer.config.grpo.advantage), generator
     )
@@ -88,7 +90,7 @@ def update_branched_grpo(
     """Node advantages over the groups' trees, then `train_chunks` on the edges (one `Episode` each,
     carrying the advantage of the node it leads to); returns the update's metrics."""
     estimator = ADVANTAGES.get(trainer.config.grpo.advantage)
-    node_advantages = fused_node_advantages(groups.trees, estimator)
+    node_advantages = fused_node_advantages(groups.trees, estimator) if groups.trees else {}
     edges = groups.edges()
     values = torch.tensor([node_advantages[(t, n)] for t, n, _ in edges])
     advantages = Advantages(values, torch.ones(len(values), dtype=torch.bool))

@@ -9,6 +9,9 @@ rather than through `act` so that every chunk's start step is known (GRPO needs 
 be dropped the moment the expert takes over. The expert takes over by the training rule of
 `vla_rl.supervisor` (the recipes' `intervention.*`: the mean gap over a window, a deadline, at most
 `max_per_episode` take-overs, optionally the release guard).
+
+`GroupSeeds` says which reset seed each group of an iteration's waves gets: fresh seeds, or task
+variants drawn from a pool by a sampler that learns from each group's successes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from vla_rl.policy import VLAPolicy
 from vla_rl.supervisor import TakeoverRule
 
 if TYPE_CHECKING:
+    from mmrl.samplers import Sampler
     from sim.experts import Expert
 
 
@@ -132,6 +136,56 @@ def rollouts(
         arrays.episode(k, outcome, int(group))
         for k, (outcome, group) in enumerate(zip(outcomes, groups, strict=True))
     ]
+
+
+class GroupSeeds:
+    """The reset seed and group id of every group of an iteration's waves.
+
+    Without a sampler, fresh seeds: iteration `step` takes the block of `block` seeds from
+    first_seed + step * block, and a group's seed is its id. With one (rollout.task_variants), the
+    seeds are the pool first_seed + v of task variants v = 0 .. num_items - 1: the sampler draws each
+    wave's variants and `feed` gives it each group's successes, so beta_thompson steers towards the
+    variants solved about half the time and the groups dynamic_filter drops are collected in
+    `dropped`. Group ids stay the block's, unique in the iteration even where a variant repeats.
+    """
+
+    def __init__(
+        self, first_seed: int, group_size: int, per_wave: int, block: int, sampler: Sampler | None = None
+    ) -> None:
+        self.first_seed, self.group_size, self.per_wave, self.block = first_seed, group_size, per_wave, block
+        self.sampler = sampler
+        self.variant_of: dict[int, int] = {}  # group id -> task variant, this iteration
+        self.dropped: set[int] = set()  # group ids the sampler dropped, this iteration
+        self.step = 0
+
+    def start(self, step: int) -> None:
+        """A new iteration."""
+        self.step = step
+        self.variant_of.clear()
+        self.dropped.clear()
+
+    def wave(self, wave: int) -> tuple[list[int], list[int]]:
+        """(reset seeds, group ids) of the wave's groups."""
+        first = self.first_seed + self.step * self.block + wave * self.per_wave
+        groups = list(range(first, first + self.per_wave))
+        if self.sampler is None:
+            return groups, groups
+        variants = self.sampler.sample(self.per_wave)
+        self.variant_of.update(zip(groups, variants, strict=True))
+        return [self.first_seed + v for v in variants], groups
+
+    def feed(self, episodes: Sequence[Episode]) -> None:
+        """Give the sampler each group's successes (rewards = success, group ids = the group's place
+        in the wave); a no-op with fresh seeds."""
+        if self.sampler is None:
+            return
+        groups = list(dict.fromkeys(e.group for e in episodes))
+        keep = self.sampler.update(
+            [self.variant_of[g] for g in groups],
+            torch.tensor([float(e.success) for e in episodes]),
+            torch.tensor([groups.index(e.group) for e in episodes]),
+        )
+        self.dropped.update(g for g, kept in zip(groups, keep.tolist(), strict=True) if not kept)
 
 
 def add_to_buffer(buffer: ReplayBuffer, episode: Episode) -> int:

@@ -53,7 +53,7 @@ from mmrl.trainer import StepSkipped, Trainer, warmup_cosine
 from vla_rl.baselines import BUFFER_METHODS, ActorTargets
 from vla_rl.branching import BranchedGroups, branched_rollouts
 from vla_rl.buffer import ReplayBuffer
-from vla_rl.config import VLAHABCConfig, branch_plan, check_env_size, seed_block
+from vla_rl.config import VLAHABCConfig, branch_plan, check_env_size, group_seeds
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
@@ -153,6 +153,7 @@ class VLAHABCTrainer(Trainer):
         )
         self.episode_length: dict[int, int] = {}
         self.counters = {"env_steps": 0, "episodes": 0, "interventions": 0, "successes": 0}
+        self.group_seeds = group_seeds(cfg)
 
     def start_run_dir(self) -> None:
         """The run directory, then the demonstrations `train.demo_episodes` asks for, recorded into it
@@ -204,20 +205,24 @@ class VLAHABCTrainer(Trainer):
 
     # ----- state that survives a restart -------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
-        """Critics, their optimizer, the replay buffer (its own save format, as arrays) and counters."""
+        """Critics, their optimizer, the replay buffer (its own save format, as arrays), counters and,
+        with rollout.task_variants, the sampler."""
         with tempfile.TemporaryDirectory() as tmp:
             self.buffer.save(tmp)
             buffer = {
                 "arrays": load_file(os.path.join(tmp, "buffer.safetensors")),
                 "meta": (Path(tmp) / "buffer.json").read_text(),
             }
-        return {
+        state = {
             "critics": self.critics.state_dict(),
             "critic_optimizer": self.critic_optimizer.state_dict(),
             "buffer": buffer,
             "episode_length": {str(k): v for k, v in self.episode_length.items()},
             "counters": dict(self.counters),
         }
+        if self.group_seeds.sampler is not None:
+            state["sampler"] = self.group_seeds.sampler.state_dict()
+        return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         """Inverse of `trainer_state`."""
@@ -229,6 +234,8 @@ class VLAHABCTrainer(Trainer):
             self.buffer = ReplayBuffer.load(tmp)
         self.episode_length = {int(k): int(v) for k, v in state["episode_length"].items()}
         self.counters = {k: int(v) for k, v in state["counters"].items()}
+        if self.group_seeds.sampler is not None:
+            self.group_seeds.sampler.load_state_dict(state["sampler"])
 
     # ----- one iteration -----------------------------------------------------------------------
     def collect(self, step: int) -> list[Episode]:
@@ -247,15 +254,15 @@ class VLAHABCTrainer(Trainer):
             if iv.enabled
             else None
         )
-        groups_per_wave = r.num_envs // r.group_size
-        first_group = r.seed + step * seed_block(cfg)
+        self.group_seeds.start(step)
         episodes: list[Episode] = []
         steps, wave = 0, 0
         while steps < r.env_steps:
-            groups = [first_group + wave * groups_per_wave + j // r.group_size for j in range(r.num_envs)]
+            seeds, groups = (np.repeat(ids, r.group_size).tolist() for ids in self.group_seeds.wave(wave))
             batch = rollouts(
-                self.policy, self.envs, self.expert, groups, groups, takeover, generator, r.std_scale
+                self.policy, self.envs, self.expert, seeds, groups, takeover, generator, r.std_scale
             )
+            self.group_seeds.feed(batch)
             episodes += batch
             steps += sum(e.length for e in batch)
             wave += 1
@@ -265,18 +272,17 @@ class VLAHABCTrainer(Trainer):
         """Waves of num_envs / group_size branched groups until the iteration's env-step budget is
         reached, counting each shared prefix once."""
         cfg, r = self.config, self.config.rollout
-        per_wave = r.num_envs // r.group_size
-        first_group = r.seed + step * seed_block(cfg)
+        self.group_seeds.start(step)
         collected = BranchedGroups([], [], 0, 0)
         wave = 0
         while collected.env_steps < r.env_steps:
-            groups = [first_group + wave * per_wave + j for j in range(per_wave)]
-            noise = (cfg.seed, step, wave * per_wave)
-            collected.extend(
-                branched_rollouts(
-                    self.policy, self.envs, groups, groups, branch_plan(cfg), noise, r.std_scale
-                )
+            seeds, groups = self.group_seeds.wave(wave)
+            noise = (cfg.seed, step, wave * len(groups))
+            batch = branched_rollouts(
+                self.policy, self.envs, seeds, groups, branch_plan(cfg), noise, r.std_scale
             )
+            self.group_seeds.feed(batch.leaves)
+            collected.extend(batch)
             wave += 1
         return collected
 
@@ -313,6 +319,9 @@ class VLAHABCTrainer(Trainer):
         if branched is not None:  # what the same leaves would have cost replayed from reset
             metrics["replayed_env_steps"] = int(lengths.sum())
             metrics["branch_points"] = branched.branch_points
+        dropped = self.group_seeds.dropped  # groups the sampler filtered out: grpo does not train on them
+        if self.group_seeds.sampler is not None:
+            metrics["dropped_groups"] = len(dropped)
         # the iteration's learning rate, from the config alone: a run resumed with more steps re-spreads it
         lr = cfg.train.lr * (warmup_cosine(step, 0, cfg.steps) if cfg.train.lr_schedule == "cosine" else 1.0)
         for group in self.optimizer.param_groups:
@@ -320,9 +329,10 @@ class VLAHABCTrainer(Trainer):
         metrics["lr"] = lr
         generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 1))
         if branched is not None:
-            metrics.update(update_branched_grpo(self, branched, generator))
+            metrics.update(update_branched_grpo(self, branched.without(dropped), generator))
         elif cfg.method == "grpo":
-            metrics.update(update_grpo(self, episodes, generator))
+            kept = [e for e in episodes if e.group not in dropped] if dropped else episodes
+            metrics.update(update_grpo(self, kept, generator))
         else:
             metrics.update(self.update(generator))
         return _finite(metrics)
