@@ -164,17 +164,18 @@ TINY = [
 
 
 @pytest.mark.needs_rendering
-def test_the_sampler_state_survives_a_resume(tmp_path):
+@pytest.mark.parametrize("branch_every", [0, 1])
+def test_the_sampler_state_survives_a_resume(tmp_path, branch_every):
+    """Flat and snapshot-branched groups: a run stopped after one iteration and resumed repeats the
+    straight run's later iterations and ends with the same sampler state."""
     torch.manual_seed(0)
     config = VLAConfig(vocabulary=task_vocabulary(), image_size=SIZE, channels=[8, 8], keypoints=8,
                        hidden=32, horizon=4, n_action_steps=2)  # fmt: skip
     VLAPolicy(config).save_pretrained(tmp_path / "base")
 
     def run(name, *overrides):
-        cfg = load_config(
-            "vla/habc",
-            [f"output_dir={tmp_path / name}", f"model.path={tmp_path / 'base'}", *TINY, *overrides],
-        )
+        paths = [f"output_dir={tmp_path / name}", f"model.path={tmp_path / 'base'}"]
+        cfg = load_config("vla/habc", [*paths, *TINY, f"grpo.branch_every={branch_every}", *overrides])
         trainer = VLAHABCTrainer(cfg)
         trainer.train()
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
