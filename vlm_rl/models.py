@@ -238,6 +238,25 @@ def same_sequence(a: Segment, b: Segment) -> bool:
     )
 
 
+def cut_positions(
+    positions: torch.Tensor,
+    prefix_lengths: Sequence[int],
+    rows: Sequence[int],
+    prefix_mask: torch.Tensor,
+    suffix_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The position ids [..., B, L] of right-padded whole sequences, cut into those of their distinct
+    prefixes (row i's is prefix `rows[i]`), left-padded like `prefix_mask`, and those of their suffixes,
+    right-padded like `suffix_mask` (0 at padding)."""
+    prefixes = positions.new_zeros((*positions.shape[:-2], *prefix_mask.shape))
+    suffixes = positions.new_zeros((*positions.shape[:-2], *suffix_mask.shape))
+    for row, (prefix, start) in enumerate(zip(rows, prefix_lengths, strict=True)):
+        prefixes[..., prefix, prefix_mask.shape[1] - start :] = positions[..., row, :start]
+        end = start + int(suffix_mask[row].sum())
+        suffixes[..., row, : end - start] = positions[..., row, start:end]
+    return prefixes, suffixes
+
+
 @dataclass
 class TinyVLMSpec:
     """Sizes of the tiny Qwen2-VL / Qwen2.5-VL: a 2-layer text model and a 2-block vision tower."""
@@ -398,6 +417,12 @@ class VLMAdapter(ABC):
         `model.generate` prefilled the batch whose rows `rows` continue; `attention_mask` [R, length]
         covers each row's tokens so far, the last one included."""
 
+    @abstractmethod
+    def sequence_position_ids(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Position ids of every token of a collated batch, as the model's own forward computes them
+        (in the shape its `position_ids` argument takes, tokens last), so that pieces of the batch can
+        run in separate calls at the positions they have in the whole."""
+
     # -- text and images -> token ids --------------------------------------------------------------
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -509,6 +534,137 @@ class VLMAdapter(ABC):
         chosen = log_probs.gather(-1, inputs["input_ids"][:, first:, None]).squeeze(-1)
         out[:, first:] = torch.where(target_mask[:, first:], chosen, 0.0)
         return out
+
+    def split(self, sequence: Segment, length: int) -> tuple[Segment, Segment]:
+        """(the first `length` tokens with their images, the rest with theirs). ValueError where the cut
+        falls inside an image's placeholder tokens, whose features cannot go to both halves."""
+        placeholders = sequence.token_ids[:length].count(self.image_token_id)
+        taken = count = 0
+        while taken < placeholders and count < len(sequence.images):
+            taken += sequence.images[count].num_tokens
+            count += 1
+        if taken < placeholders:
+            raise ValueError(f"the sequence has more image tokens than its {count} images need")
+        if taken > placeholders:
+            raise ValueError(
+                f"a cut after token {length} falls inside the placeholder tokens of image {count - 1}: "
+                "a shared prefix must end outside every image"
+            )
+        head = Segment(sequence.token_ids[:length], sequence.images[:count])
+        return head, Segment(sequence.token_ids[length:], sequence.images[count:])
+
+    def split_at_prefixes(
+        self, sequences: Sequence[Segment], prefix_lengths: Sequence[int], prefix_groups: Sequence[int]
+    ) -> tuple[list[Segment], list[int], list[Segment]]:
+        """(the distinct prefixes, for every row the index of its prefix among them, every row's suffix).
+        Rows under one prefix id must give the same length and hold the same prefix, else ValueError."""
+        for name, values in (("prefix_lengths", prefix_lengths), ("prefix_groups", prefix_groups)):
+            if len(values) != len(sequences):
+                raise ValueError(f"{len(values)} {name} for {len(sequences)} sequences")
+        owners: dict[int, int] = {}
+        for row, (group, length) in enumerate(zip(prefix_groups, prefix_lengths, strict=True)):
+            if not 1 <= length <= len(sequences[row]):
+                raise ValueError(
+                    f"prefix_lengths[{row}] is {length}, but a prefix holds 1 to {len(sequences[row])} "
+                    "tokens of its sequence"
+                )
+            owner = owners.setdefault(group, row)
+            if length != prefix_lengths[owner]:
+                raise ValueError(
+                    f"prefix_groups puts rows {owner} and {row} under id {group}, but prefix_lengths gives "
+                    f"them {prefix_lengths[owner]} and {length} tokens: rows sharing an id share one prefix"
+                )
+        halves = [
+            self.split(sequence, length) for sequence, length in zip(sequences, prefix_lengths, strict=True)
+        ]
+        distinct, rows = shared_prefixes([head for head, _ in halves], prefix_groups)
+        return [halves[row][0] for row in distinct], rows, [tail for _, tail in halves]
+
+    def shared_token_log_probs(
+        self,
+        sequences: Sequence[Segment],
+        prefix_lengths: Sequence[int],
+        prefix_groups: Sequence[int],
+        target_mask: torch.Tensor,
+        model: torch.nn.Module | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """`token_log_probs` of ``collate(sequences, "right")`` ([B, L], 0 off `target_mask`), running
+        each shared prefix once.
+
+        Rows under one `prefix_groups` id share their first `prefix_lengths[row]` tokens (a question's
+        prompt for its G rollouts; for a tree's leaves, what their branch holds). The distinct prefixes
+        run left-padded in one call; its key/value cache, part of the autograd graph, is copied to the
+        rows by index_select and the suffixes (images included) run on top of it at the positions
+        (M-RoPE's too) they have in the whole sequences. Gradients through a prefix add up over its
+        rows, as in the unshared call. Targets must lie in the suffixes, the first of which the prefix's
+        last logits predict: a prompt is never trained."""
+        prefixes, rows, suffixes = self.split_at_prefixes(sequences, prefix_lengths, prefix_groups)
+        target_mask = target_mask.to(self.device, torch.bool)
+        width = max(len(sequence) for sequence in sequences)
+        if tuple(target_mask.shape) != (len(sequences), width):
+            raise ValueError(
+                f"target_mask is {list(target_mask.shape)}, not [sequences, longest sequence] = "
+                f"[{len(sequences)}, {width}]"
+            )
+        starts = torch.tensor(list(prefix_lengths), device=self.device)
+        ends = torch.tensor([len(sequence) for sequence in sequences], device=self.device)
+        column = torch.arange(width, device=self.device)
+        for wrong, where in (
+            (column < starts[:, None], "inside its shared prefix"),
+            (column >= ends[:, None], "past its end"),
+        ):
+            marked = (target_mask & wrong).nonzero()
+            if len(marked):
+                row, token = (int(i) for i in marked[0])
+                raise ValueError(
+                    f"target_mask marks token {token} of row {row}, {where} ({prefix_lengths[row]} prefix "
+                    f"tokens of {len(sequences[row])}): targets lie in the suffixes"
+                )
+        if not target_mask.any():
+            return torch.zeros(target_mask.shape, dtype=torch.float32, device=self.device)
+        prefix_batch, suffix_batch = self.collate(prefixes, "left"), self.collate(suffixes, "right")
+        prefix_positions, suffix_positions = cut_positions(
+            self.sequence_position_ids(self.collate(sequences, "right")),
+            prefix_lengths,
+            rows,
+            prefix_batch["attention_mask"],
+            suffix_batch["attention_mask"],
+        )
+        call = model or self.model
+        index = torch.tensor(rows, device=self.device)
+        prefix_inputs = self.on_device(prefix_batch)
+        prefix_out = call(
+            **prefix_inputs, position_ids=prefix_positions.to(self.device), use_cache=True, logits_to_keep=1
+        )
+        cache = prefix_out.past_key_values
+        if cache is None:
+            raise RuntimeError(
+                "the model returned no key/value cache for the shared prefixes (gradient checkpointing "
+                "turns it off while training): score with token_log_probs instead"
+            )
+        cache.reorder_cache(index)
+        suffix_inputs = self.on_device(suffix_batch)
+        prefix_mask = prefix_inputs["attention_mask"][index]
+        suffix_inputs["attention_mask"] = torch.cat([prefix_mask, suffix_inputs["attention_mask"]], dim=1)
+        suffix_logits = call(
+            **suffix_inputs,
+            position_ids=suffix_positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        # a prefix's last logits predict its rows' first suffix token, suffix column j the token after j
+        logits = torch.cat([prefix_out.logits[index], suffix_logits[:, :-1]], dim=1)
+        log_probs = torch.log_softmax(self.allowed(logits) / temperature, dim=-1)
+        chosen = log_probs.gather(-1, suffix_inputs["input_ids"][..., None]).squeeze(-1)
+        suffix_width = suffix_positions.shape[-1]
+        placed = starts[:, None] + torch.arange(suffix_width, device=self.device)  # columns in the whole
+        targets = target_mask.gather(1, placed.clamp(max=width - 1)) & (placed < ends[:, None])
+        wide = torch.zeros(
+            (len(sequences), int(starts.max()) + suffix_width), dtype=torch.float32, device=self.device
+        )
+        wide = wide.scatter(1, placed, torch.where(targets, chosen, 0.0))
+        return wide[:, :width]
 
     def generate(
         self,
@@ -797,6 +953,16 @@ class QwenVLAdapter(VLMAdapter):
         deltas = self.model.base_model.rope_deltas[rows]
         positions = attention_mask.sum(-1, keepdim=True) - 1 + deltas
         return positions[None].expand(3, -1, -1)
+
+    def sequence_position_ids(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # the model's own M-RoPE index (3 x B x L), as its forward computes it from the batch's images
+        positions, _ = self.model.base_model.get_rope_index(
+            batch["input_ids"],
+            mm_token_type_ids=batch["mm_token_type_ids"],
+            image_grid_thw=batch.get("image_grid_thw"),
+            attention_mask=batch["attention_mask"],
+        )
+        return positions
 
     def image_inputs(self, input_ids: torch.Tensor, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         # transformers 5.x needs mm_token_type_ids (1 at image tokens) to compute M-RoPE positions; with
