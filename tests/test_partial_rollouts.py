@@ -362,3 +362,15 @@ def test_a_resumed_partial_run_repeats_the_uninterrupted_one(tmp_path):
     resumed_rows, resumed = run(tmp_path / "stopped", 3, "resume=true")
     assert resumed_rows == straight_rows
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_bench_rows_put_partial_and_synchronous_side_by_side(policy, capsys):
+    from vlm_rl.speed_bench import _partial_rows
+
+    sync, partial = _partial_rows(policy, groups=2, steps=2)
+    assert (sync["variant"], partial["variant"]) == ("synchronous rollouts", "partial rollouts (APRIL)")
+    assert sync["tokens"] > 0 and partial["tokens"] > 0 and "ratio" not in sync
+    assert partial["ratio"] == partial["tokens_per_second"] / sync["tokens_per_second"]
+    assert partial["target"] == 1.2 and partial["target_op"] == ">="
+    assert 0 <= partial["old_token_fraction"] <= 1 and partial["staleness_max"] <= 2
+    assert "partial / synchronous" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""`mmrl bench vlm`: the batched multi-turn rollout engine against a per-sample loop, side by side.
+"""`mmrl bench vlm`: the batched multi-turn rollout engine against a per-sample loop, side by side,
+and partial rollouts (APRIL) against synchronous ones.
 
 Both run the same multi-turn procedure (generate, crop, show the crop, generate) with the same model,
 questions and keyed sampling noise, so they produce the same conversations; the baseline rolls out
@@ -6,10 +7,26 @@ one conversation at a time (a plain per-sample `generate` loop), the engine all 
 The table prints generated tokens per second and the ratio (target: at least 3x). Where vLLM is
 installed, a third row times the vLLM backend on the same questions and keys (its conversations
 differ: vLLM draws its own sampling noise).
+
+Partial vs synchronous rollouts: the same policy trains `partial_groups` complete groups of
+`PARTIAL_GROUP_SIZE` conversations per step, either rolled out to the end every step (synchronous),
+or with `rollout.partial` at its defaults (over-provision 0.5, staleness cap 2, steps ending at turn
+boundaries), over `partial_steps` timed steps after `PARTIAL_WARMUP` untimed ones (which fill the
+partial pipeline; the policy does not change, the steps only count versions); the two take turns
+step by step, so that a change in the machine's load reaches both. Throughput is trained
+(complete-group) tokens per second. The lengths are long-tailed by the policy's own choice: on the zoom
+task's held-out questions, at a detail share of `PARTIAL_DETAIL`, the shipped policy answers most
+questions in one short turn and zooms on the others (a tool-call turn several times as long, a crop,
+an answer turn), so the few zooming groups hold most of the tokens and all of the second turns.
+Partial rollouts save the time a batch spends waiting on its longest conversations; where a wave's
+time goes to prefilling rather than decoding (a CPU, on which the vision tower encodes every image
+again at every turn) there is little of it, and the continued conversations, an image longer, pad the
+fresh ones of their batch.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -19,14 +36,20 @@ import torch
 from mmrl.bench_all import check_counts
 from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
+from mmrl.partial import groups_in_flight
 from mmrl.registry import BENCHES
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, TurnGenerator, rollout
+from vlm_rl.partial_rollout import PartialRollouts
+from vlm_rl.rollout import PartialRolloutConfig, ToolRolloutConfig, Trajectory, TurnGenerator, rollout
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
 TARGET = 3.0
+PARTIAL_TARGET = 1.2
+PARTIAL_GROUP_SIZE = 4
+PARTIAL_WARMUP = 2  # untimed steps
+PARTIAL_DETAIL = 0.2  # share of held-out questions that need a zoom
 
 
 def _tokens_per_second(
@@ -53,10 +76,90 @@ def _tokens_per_second(
     return tokens / seconds, tokens, trajectories
 
 
+def _partial_rows(adapter: VLMAdapter, groups: int, steps: int) -> list[dict[str, Any]]:
+    """Synchronous and partial rollouts of the same policy, side by side (see the module docstring):
+    trained (complete-group) tokens per second over `steps` timed steps after `PARTIAL_WARMUP` untimed
+    ones. The two take turns step by step, so that a change in the machine's load reaches both."""
+    cfg = ToolRolloutConfig(max_new_tokens=48, partial=PartialRolloutConfig(enabled=True))
+    g, total = PARTIAL_GROUP_SIZE, PARTIAL_WARMUP + steps
+    size = total * groups_in_flight(groups, cfg.partial.over_provision)
+    questions = QuestionSet(DataConfig(heldout_size=size, heldout_detail_fraction=PARTIAL_DETAIL), "heldout")
+    orders = [itertools.count(), itertools.count()]  # both draw the questions in index order
+    runner = PartialRollouts(adapter, questions, cfg, groups, g, seed=0)
+
+    def synchronous(step: int) -> list[Trajectory]:
+        items = [next(orders[0]) for _ in range(groups)]
+        keys = [NoiseKey(0, step, s * g + j, 0) for s in range(groups) for j in range(g)]
+        return rollout(adapter, [questions[i] for i in items for _ in range(g)], cfg, keys)
+
+    metrics = []
+
+    def partial(step: int) -> list[Trajectory]:
+        out = runner.step(step, lambda n: [next(orders[1]) for _ in range(n)])
+        metrics.append(out.metrics)
+        return out.trajectories
+
+    tokens, seconds = [0, 0], [0.0, 0.0]
+    for step in range(total):
+        for arm, run in enumerate((synchronous, partial)):
+            start = time.perf_counter()
+            trajectories = run(step)
+            if step >= PARTIAL_WARMUP:
+                seconds[arm] += time.perf_counter() - start
+                tokens[arm] += sum(t.generated_tokens for t in trajectories)
+    timed = metrics[PARTIAL_WARMUP:]
+    case = f"{PARTIAL_DETAIL:.0%} zoom questions, {groups} groups of {g} trained per step"
+    labels = ("synchronous rollouts", "partial rollouts (APRIL)")
+    rows = [
+        {
+            "variant": labels[arm],
+            "case": case,
+            "tokens_per_second": tokens[arm] / seconds[arm],
+            "tokens": tokens[arm],
+        }
+        for arm in range(2)
+    ]
+    ratio = rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
+    rows[1] |= {
+        "ratio": ratio,
+        "target": PARTIAL_TARGET,
+        "target_op": ">=",
+        "staleness_mean": sum(m["partial_staleness_mean"] for m in timed) / len(timed),
+        "staleness_max": max(m["partial_staleness_max"] for m in timed),
+        "old_token_fraction": sum(m["partial_old_token_fraction"] for m in timed) / len(timed),
+        "dropped": metrics[-1]["partial_dropped_total"],
+    }
+    print(
+        f"partial vs synchronous rollouts: {groups} trained groups of {g} per step, {steps} timed steps "
+        f"after {PARTIAL_WARMUP}, held-out questions with {PARTIAL_DETAIL:.0%} needing a zoom"
+    )
+    print(f"{'variant':<28}{'trained tokens':>15}{'tokens/s':>11}{'staleness':>11}{'old tokens':>12}")
+    for row in rows:
+        staleness = f"{row['staleness_mean']:.2f}" if "staleness_mean" in row else "-"
+        old = f"{row['old_token_fraction']:.2f}" if "old_token_fraction" in row else "-"
+        print(
+            f"{row['variant']:<28}{row['tokens']:>15}{row['tokens_per_second']:>11.1f}{staleness:>11}{old:>12}"
+        )
+    verdict = "PASS" if ratio >= PARTIAL_TARGET else "FAIL"
+    print(f"partial / synchronous: {ratio:.2f}x  {verdict} (>= {PARTIAL_TARGET}x)")
+    return rows
+
+
 @BENCHES.register("vlm")
-def bench_vlm(rollouts: int = 64, model: str | None = None, vllm: bool = True) -> list[dict[str, Any]]:
-    """`vllm=false` leaves the vLLM row out (it builds an engine, and vLLM allows one per process)."""
-    check_counts(rollouts=rollouts)
+def bench_vlm(
+    rollouts: int = 64,
+    model: str | None = None,
+    vllm: bool = True,
+    partial_steps: int = 8,
+    partial_groups: int = 8,
+) -> list[dict[str, Any]]:
+    """`vllm=false` leaves the vLLM row out (it builds an engine, and vLLM allows one per process);
+    `partial_steps=0` the partial vs synchronous rows."""
+    check_counts(rollouts=rollouts, partial_groups=partial_groups)
+    if partial_steps < 0:
+        raise ConfigError(
+            f"config error: partial_steps = {partial_steps}: must be at least 0 (0: no partial rows)"
+        )
     path = resolve_model(model)
     if not path.is_dir():
         raise ConfigError(
@@ -94,6 +197,8 @@ def bench_vlm(rollouts: int = 64, model: str | None = None, vllm: bool = True) -
     print("the same conversations in both (keyed sampling): " + ("yes" if same else "NO: compare with care"))
     rows[1]["same_conversations"] = same
     print(vllm_note)
+    if partial_steps > 0:
+        rows += _partial_rows(adapter, partial_groups, partial_steps)
     return rows
 
 
