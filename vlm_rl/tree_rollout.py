@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from mmrl.noise import NoiseKey
-from mmrl.tree import RolloutTree
+from mmrl.tree import RolloutTree, branch_children, split_slots
 from vlm_rl.data import Question
 from vlm_rl.models import IM_END, TOOL_CALL_END, Segment, VLMAdapter
 from vlm_rl.rollout import ToolRolloutConfig, Trajectory, TurnGenerator, prompt_segment, run_tool
@@ -124,18 +124,14 @@ class Forest:
     def width(self, i: int, node_id: int) -> int:
         """How many children the node splits into at a branch point (1: it goes on)."""
         node = self.trees[i].nodes[node_id]
-        per_depth = self.branching[node.depth] if node.depth < len(self.branching) else 1
-        return min(per_depth, len(node.state.slots))
+        return branch_children(self.branching, node.depth, len(node.state.slots))
 
     def branch(self, i: int, node_id: int) -> None:
         """Share the node's slots out to `width` new children, in order, as evenly as possible."""
-        slots, children = self.trees[i].nodes[node_id].state.slots, self.width(i, node_id)
+        children = self.width(i, node_id)
         self.branch_points += children > 1
-        start = slots.start
-        for k in range(children):
-            size = len(slots) // children + (k < len(slots) % children)
-            self.add_child(i, node_id, range(start, start + size))
-            start += size
+        for slots in split_slots(self.trees[i].nodes[node_id].state.slots, children):
+            self.add_child(i, node_id, slots)
 
     def add_child(self, i: int, parent_id: int, slots: range) -> None:
         """A live child that starts from the parent's end (the parent's generation calls included)."""
