@@ -58,6 +58,25 @@ def conversations(vlm: VLMAdapter) -> tuple[list[Segment], list[int], list[int],
     return sequences, lengths, groups, mask
 
 
+def branch_turn(lengths: list[int]) -> range:
+    """Columns of the first turn inside the tree branch's prefix (group 2 of `conversations`): the
+    image prompt, which is group 0's whole prefix, comes first and the turn holds 6 tokens."""
+    return range(lengths[0], lengths[0] + 6)
+
+
+def with_prefix_targets(lengths: list[int], mask: torch.Tensor, suffixes: bool = True) -> torch.Tensor:
+    """`conversations`' mask with targets inside prefixes, as a tree's leaves train the turn their
+    branch shares: the branch's rows 1, 4, 6, 8 mark its first turn differently (all of it, its last 4
+    tokens, none, its first and last) and row 3 marks its prompt's last 2 tokens. Without `suffixes`,
+    only those prefix targets remain."""
+    marked = mask.clone() if suffixes else torch.zeros_like(mask)
+    turn = list(branch_turn(lengths))
+    for row, columns in ((1, turn), (4, turn[2:]), (8, [turn[0], turn[-1]])):
+        marked[row, columns] = True
+    marked[3, lengths[3] - 2 : lengths[3]] = True
+    return marked
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def vlm(request) -> VLMAdapter:
     return VLMAdapter.tiny(WORDS, TinyVLMSpec(architecture=request.param))
@@ -129,8 +148,11 @@ def parameter_gradients(vlm: VLMAdapter, score) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in vlm.model.named_parameters() if p.grad is not None}
 
 
-def test_shared_gradients_equal_the_unshared_ones(vlm):
+@pytest.mark.parametrize("targets", ["suffixes", "prefixes and suffixes", "prefixes only"])
+def test_shared_gradients_equal_the_unshared_ones(vlm, targets):
     sequences, lengths, groups, mask = conversations(vlm)
+    if targets != "suffixes":
+        mask = with_prefix_targets(lengths, mask, suffixes=targets == "prefixes and suffixes")
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
     batch = vlm.collate(sequences, "right")
     vlm.model.train()
@@ -187,13 +209,9 @@ def test_a_cache_cut_from_the_graph_would_lose_the_prefix_gradient(vlm, monkeypa
     assert float((cut[name] - flat[name]).norm() / flat[name].norm()) > 1e-3
 
 
-def test_targets_in_prefixes_and_mismatched_groups_are_refused(vlm):
+def test_targets_past_the_end_and_mismatched_groups_are_refused(vlm):
     sequences, lengths, groups, mask = conversations(vlm)
     score = vlm.shared_token_log_probs
-    inside = mask.clone()
-    inside[3, lengths[3] - 1] = True
-    with pytest.raises(ValueError, match=f"token {lengths[3] - 1} of row 3, inside its shared prefix"):
-        score(sequences, lengths, groups, inside)
     past = mask.clone()
     past[0, len(sequences[0])] = True
     with pytest.raises(ValueError, match=f"token {len(sequences[0])} of row 0, past its end"):
@@ -222,6 +240,79 @@ def test_targets_in_prefixes_and_mismatched_groups_are_refused(vlm):
         score(sequences, lengths, groups[:8], mask)
     nothing = score(sequences, lengths, groups, torch.zeros_like(mask))
     assert (nothing == 0).all() and nothing.shape == mask.shape
+
+
+def test_targets_inside_prefixes_equal_the_right_padded_call(vlm):
+    sequences, lengths, groups, mask = conversations(vlm)
+    mask = with_prefix_targets(lengths, mask)
+    mask[5, 0] = True  # a sequence's first token: nothing predicts it, both paths give 0
+    with torch.no_grad():
+        flat = vlm.token_log_probs(vlm.collate(sequences, "right"), mask)
+        shared = vlm.shared_token_log_probs(sequences, lengths, groups, mask)
+    torch.testing.assert_close(shared, flat, atol=1e-5, rtol=0)
+    mask[5, 0] = False
+    assert (shared[~mask] == 0).all() and (shared[mask] < 0).all()
+    turn = list(branch_turn(lengths))
+    assert (
+        shared[6, turn].eq(0).all() and shared[4, turn[:2]].eq(0).all() and shared[8, turn[1:-1]].eq(0).all()
+    )
+    # one computation per prefix, copied to its rows: the rows that train a shared token get its value
+    assert torch.equal(shared[1, turn[2:]], shared[4, turn[2:]])
+    assert torch.equal(shared[1, [turn[0], turn[-1]]], shared[8, [turn[0], turn[-1]]])
+
+
+@pytest.mark.parametrize("rows", [[1], [3], [1, 4]])
+def test_prefix_log_probs_keep_their_graph_and_come_from_the_rows_prefix(vlm, rows):
+    """A row's prefix targets alone (no suffix target anywhere) give that sequence's own unshared
+    log-probs and gradients: a detached copy would give no gradient, another prefix's copy other
+    values, and two rows training one shared token add their gradients as two sequences would."""
+    sequences, lengths, groups, mask = conversations(vlm)
+    mask = with_prefix_targets(lengths, mask, suffixes=False)
+    alone = [vlm.collate([sequences[row]], "right") for row in rows]
+    masks = [mask[row : row + 1, : len(sequences[row])] for row in rows]
+    try:
+        flat = parameter_gradients(
+            vlm, lambda: sum(vlm.token_log_probs(b, m).sum() for b, m in zip(alone, masks, strict=True))
+        )
+        shared = parameter_gradients(
+            vlm, lambda: vlm.shared_token_log_probs(sequences, lengths, groups, mask)[rows].sum()
+        )
+    finally:
+        vlm.model.zero_grad()
+    assert shared.keys() == flat.keys()
+    total = [torch.cat([grads[name].flatten() for name in flat]) for grads in (shared, flat)]
+    assert float(total[1].norm()) > 0
+    assert float((total[0] - total[1]).norm() / total[1].norm()) < 1e-5
+
+
+def test_prefix_logits_start_at_the_first_target_inside_a_prefix(vlm):
+    """The prefix call computes logits from the column before the first target any row marks in a
+    prefix (columns counted in the left-padded prefixes), or only its last column when none does."""
+    sequences, lengths, groups, mask = conversations(vlm)
+    widths = []
+    hook = vlm.model.lm_head.register_forward_hook(
+        lambda module, args, output: widths.append(output.shape[1])
+    )
+    prefix_width = max(lengths)
+    try:
+        with torch.no_grad():
+            vlm.shared_token_log_probs(sequences, lengths, groups, mask)
+            branch = mask.clone()
+            branch[4, branch_turn(lengths)[3]] = True
+            vlm.shared_token_log_probs(sequences, lengths, groups, branch)
+            prompt = mask.clone()
+            prompt[7, lengths[7] - 2] = True
+            vlm.shared_token_log_probs(sequences, lengths, groups, prompt)
+            vlm.shared_token_log_probs(sequences, lengths, groups, branch | prompt)
+    finally:
+        hook.remove()
+    suffix_width = max(len(s) - p for s, p in zip(sequences, lengths, strict=True))
+    shift = {row: prefix_width - lengths[row] for row in (4, 7)}
+    from_branch = prefix_width - (branch_turn(lengths)[3] + shift[4]) + 1
+    from_prompt = prefix_width - (lengths[7] - 2 + shift[7]) + 1
+    assert 1 < from_prompt < from_branch < prefix_width
+    assert widths[1::2] == [suffix_width] * 4
+    assert widths[::2] == [1, from_branch, from_prompt, from_branch]  # the earliest column of any prefix
 
 
 def test_timing_of_eight_rows_sharing_a_prompt(vlm):

@@ -589,18 +589,20 @@ class VLMAdapter(ABC):
         model: torch.nn.Module | None = None,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """`token_log_probs` of ``collate(sequences, "right")`` ([B, L], 0 off `target_mask`), running
-        each shared prefix once.
+        """`token_log_probs` of ``collate(sequences, "right")`` ([B, L], 0 off `target_mask` and at a
+        sequence's first token, which nothing predicts), running each shared prefix once.
 
         Rows under one `prefix_groups` id share their first `prefix_lengths[row]` tokens (a question's
-        prompt for its G rollouts; for a tree's leaves, what their branch holds). The distinct prefixes
-        run left-padded in one call; its key/value cache, part of the autograd graph, is copied to the
-        rows by index_select and the suffixes (images included) run on top of it at the positions
-        (M-RoPE's too) they have in the whole sequences. Gradients through a prefix add up over its
-        rows, as in the unshared call. Targets must lie in the suffixes, the first of which the prefix's
-        last logits predict: a prompt is never trained."""
+        prompt for its G rollouts; for a tree's leaves, what their branch holds: the prompt, the trained
+        turns above the branch and their observations). The distinct prefixes run left-padded in one
+        call; its key/value cache, part of the autograd graph, is copied to the rows by index_select and
+        the suffixes (images included) run on top of it at the positions (M-RoPE's too) they have in the
+        whole sequences. Targets may lie in a prefix too: its token log-probs come from the prefix call
+        (logits from the first column any row of the batch trains there) and are copied to its rows,
+        each keeping those its own mask marks, so a shared trained turn counts once per row. Gradients
+        through a prefix add up over its rows, as in the unshared call."""
         prefixes, rows, suffixes = self.split_at_prefixes(sequences, prefix_lengths, prefix_groups)
-        target_mask = target_mask.to(self.device, torch.bool)
+        target_mask = target_mask.to(self.device, torch.bool, copy=True)
         width = max(len(sequence) for sequence in sequences)
         if tuple(target_mask.shape) != (len(sequences), width):
             raise ValueError(
@@ -610,20 +612,17 @@ class VLMAdapter(ABC):
         starts = torch.tensor(list(prefix_lengths), device=self.device)
         ends = torch.tensor([len(sequence) for sequence in sequences], device=self.device)
         column = torch.arange(width, device=self.device)
-        for wrong, where in (
-            (column < starts[:, None], "inside its shared prefix"),
-            (column >= ends[:, None], "past its end"),
-        ):
-            marked = (target_mask & wrong).nonzero()
-            if len(marked):
-                row, token = (int(i) for i in marked[0])
-                raise ValueError(
-                    f"target_mask marks token {token} of row {row}, {where} ({prefix_lengths[row]} prefix "
-                    f"tokens of {len(sequences[row])}): targets lie in the suffixes"
-                )
+        marked = (target_mask & (column >= ends[:, None])).nonzero()
+        if len(marked):
+            row, token = (int(i) for i in marked[0])
+            raise ValueError(
+                f"target_mask marks token {token} of row {row}, past its end ({len(sequences[row])} tokens)"
+            )
+        target_mask[:, 0] = False
         if not target_mask.any():
             return torch.zeros(target_mask.shape, dtype=torch.float32, device=self.device)
         prefix_batch, suffix_batch = self.collate(prefixes, "left"), self.collate(suffixes, "right")
+        prefix_width = prefix_batch["input_ids"].shape[1]
         prefix_positions, suffix_positions = cut_positions(
             self.sequence_position_ids(self.collate(sequences, "right")),
             prefix_lengths,
@@ -631,11 +630,21 @@ class VLMAdapter(ABC):
             prefix_batch["attention_mask"],
             suffix_batch["attention_mask"],
         )
+        # rows aligned as the left-padded prefixes are: token t of row r sits in column t + shift[r]
+        shift = prefix_width - starts
+        in_prefixes = (target_mask & (column < starts[:, None])).nonzero()
+        first = (
+            int((in_prefixes[:, 1] + shift[in_prefixes[:, 0]]).min()) if len(in_prefixes) else prefix_width
+        )
         call = model or self.model
         index = torch.tensor(rows, device=self.device)
         prefix_inputs = self.on_device(prefix_batch)
+        keep = torch.arange(first - 1, prefix_width, device=self.device)
         prefix_out = call(
-            **prefix_inputs, position_ids=prefix_positions.to(self.device), use_cache=True, logits_to_keep=1
+            **prefix_inputs,
+            position_ids=prefix_positions.to(self.device),
+            use_cache=True,
+            logits_to_keep=keep,
         )
         cache = prefix_out.past_key_values
         if cache is None:
@@ -653,18 +662,18 @@ class VLMAdapter(ABC):
             past_key_values=cache,
             use_cache=True,
         ).logits
-        # a prefix's last logits predict its rows' first suffix token, suffix column j the token after j
-        logits = torch.cat([prefix_out.logits[index], suffix_logits[:, :-1]], dim=1)
+        # prefix columns first-1 .. width-2 predict the prefix's own tokens (once per prefix, copied to its
+        # rows); its last logits predict each row's first suffix token, suffix column j the token after j
+        prefix_log_probs = torch.log_softmax(self.allowed(prefix_out.logits[:, :-1]) / temperature, dim=-1)
+        in_prefix = prefix_log_probs.gather(-1, prefix_inputs["input_ids"][:, first:, None]).squeeze(-1)
+        logits = torch.cat([prefix_out.logits[index, -1:], suffix_logits[:, :-1]], dim=1)
         log_probs = torch.log_softmax(self.allowed(logits) / temperature, dim=-1)
-        chosen = log_probs.gather(-1, suffix_inputs["input_ids"][..., None]).squeeze(-1)
-        suffix_width = suffix_positions.shape[-1]
-        placed = starts[:, None] + torch.arange(suffix_width, device=self.device)  # columns in the whole
-        targets = target_mask.gather(1, placed.clamp(max=width - 1)) & (placed < ends[:, None])
-        wide = torch.zeros(
-            (len(sequences), int(starts.max()) + suffix_width), dtype=torch.float32, device=self.device
-        )
-        wide = wide.scatter(1, placed, torch.where(targets, chosen, 0.0))
-        return wide[:, :width]
+        in_suffix = log_probs.gather(-1, suffix_inputs["input_ids"][..., None]).squeeze(-1)
+        aligned = torch.cat(
+            [in_prefix.new_zeros(len(sequences), first), in_prefix[index], in_suffix], dim=1
+        )  # [B, prefix width + suffix width]
+        placed = (column + shift[:, None]).clamp(max=aligned.shape[1] - 1)
+        return torch.where(target_mask, aligned.gather(1, placed), 0.0)
 
     def generate(
         self,
