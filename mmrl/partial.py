@@ -8,8 +8,10 @@ whether it has `finished` and how many tokens each policy version sampled for it
     plan = groups.begin_step(step)               # drop the groups too stale to train; how many to launch
     items = plan.relaunch + sampler.sample(plan.new)
     groups.launch(step, items, make_members)     # relaunched items first, then new ones
-    while not groups.enough():                   # the trainer generates a wave (of every unfinished member)
+    while True:                                  # the trainer generates a wave of every unfinished member
         ...
+        if groups.enough():
+            break
     trained = groups.take_trained()              # complete groups, oldest launch first; the rest carry on
     metrics = groups.metrics(step, trained)
 
@@ -137,7 +139,9 @@ class PartialGroups(Generic[M]):
         return sum(g.complete for g in self.groups)
 
     def enough(self) -> bool:
-        """Whether the step can stop generating: `target` groups are complete (or nothing is left)."""
+        """Whether the step can stop generating: `target` groups are complete (or nothing is left).
+        Asked after a wave, so that every group launched in a step samples its first tokens in it
+        (its launch step is the version that sampled them)."""
         return self.complete_groups() >= min(self.target, len(self.groups))
 
     def take_trained(self) -> list[PartialGroup[M]]:

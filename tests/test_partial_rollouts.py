@@ -50,11 +50,13 @@ def toy_step(groups, step, fresh):
     items = plan.relaunch + [next(fresh) for _ in range(plan.new)]
     groups.launch(step, items, lambda slot, item: [Toy(n) for n in LENGTHS[item]])
     waves = 0
-    while not groups.enough():
+    while True:
         for group in groups.groups:
             for member in group.members:
                 member.wave(step)
         waves += 1
+        if groups.enough():
+            break
     trained = groups.take_trained()
     return plan, items, waves, trained, groups.metrics(step, trained)
 
@@ -374,3 +376,15 @@ def test_bench_rows_put_partial_and_synchronous_side_by_side(policy, capsys):
     assert partial["target"] == 1.2 and partial["target_op"] == ">="
     assert 0 <= partial["old_token_fraction"] <= 1 and partial["staleness_max"] <= 2
     assert "partial / synchronous" in capsys.readouterr().out
+
+
+def test_a_group_samples_its_first_tokens_in_its_launch_step(policy, questions):
+    # one group trained per step, three in flight: finished groups wait, and would already be enough
+    items = items_of(questions, ["global"] * 5)
+    runner = PartialRollouts(policy, questions, config(over_provision=2.0), 1, G, seed=7)
+    runner.step(0, sampler(items))
+    waiting = [g for g in runner.groups.groups if g.complete]
+    assert len(waiting) >= 1
+    runner.step(1, sampler(items[3:]))
+    launched = [g for g in runner.groups.groups if g.launch_step == 1]
+    assert launched and all(set(m.tokens_by_version) == {1} for g in launched for m in g.members)

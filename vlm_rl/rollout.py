@@ -16,7 +16,7 @@ Malformed tool calls never raise: the error text goes back to the model and is c
 first turn with ``<tool_call>`` (a forced token, not trained), "never" forbids that token.
 
 A rollout can stop early and go on later (partial rollouts, `vlm_rl.partial_rollout`):
-`continue_rollout` takes conversations already started and stops before a wave when told enough is
+`continue_rollout` takes conversations already started and stops after a wave when told enough is
 done, at a turn boundary or, with `segment_tokens`, mid-turn; `sampled_turns` and
 `replay_conversation` save and rebuild an unfinished conversation without pickling its images.
 """
@@ -225,13 +225,14 @@ def continue_rollout(
     `keys[i]` keys conversation i; the number of generation calls it has had so far goes in the key's
     `node`, so a conversation continued later (partial rollouts) never reuses the noise of a token it
     already sampled, and one that runs in one piece is keyed by its turns as `rollout` keys it.
-    `segment_tokens` > 0 pauses a turn after that many tokens (the next wave continues it), so that
-    `enough`, asked before every wave, can end the rollout mid-turn; the conversations it leaves
-    unfinished can be continued by a later call."""
+    `enough`, asked after every wave, ends the rollout early (every unfinished conversation has had a
+    wave, so one launched for this call samples its first token in it); `segment_tokens` > 0 pauses a
+    turn after that many tokens (the next wave continues it), so that it can end mid-turn. The
+    conversations it leaves unfinished can be continued by a later call."""
     banned = [TOOL_CALL_START] if tool_mode == "never" else []
     forced = forced_tokens(adapter, tool_mode)
     active = [i for i, t in enumerate(trajectories) if not t.ended]
-    while active and not (enough is not None and enough()):
+    while active:
         budget = min(cfg.max_tokens - len(trajectories[i].sequence) for i in active)
         if budget <= 0:  # rows at the token limit end; the others go on
             for i in active:
@@ -272,6 +273,8 @@ def continue_rollout(
                 forced if trajectory.turns == 0 else [],
             )
         active = [i for i in active if not trajectories[i].ended]
+        if enough is not None and enough():
+            break
 
 
 def extend_turn(
