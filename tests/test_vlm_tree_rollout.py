@@ -361,3 +361,44 @@ def test_tree_rollouts_refuse_what_they_cannot_train(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("vlm/tool_grpo_tree", overrides)
     load_config("vlm/tool_grpo", ["train.advantage=tree_depthwise"])  # flat groups are depth-1 trees
+
+
+@pytest.mark.parametrize(
+    "rollouts",
+    [[], ["rollout.tree.enabled=true", "rollout.tree.branching=[2,2]", "train.advantage=tree_depthwise"]],
+    ids=["flat", "tree"],
+)
+def test_shared_prefix_scoring_trains_like_the_unshared_update(tmp_path, rollouts):
+    """train.shared_prefix scores a group's prompt (flat) or a branch (tree) once: same loss, KL and
+    weights after a step (one minibatch: sharing deals whole groups into minibatches, so with several
+    the minibatches differ), and the shared calls really ran."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
+    runs = {}
+    for shared in (False, True):
+        trainer = trainer_for(
+            tmp_path / str(shared),
+            "vlm/tool_grpo",
+            "train.kl_coef=0.1",
+            "train.minibatches=1",
+            f"train.shared_prefix={shared}",
+            *rollouts,
+        )
+        trainer.reward_fn = lambda texts, **kwargs: rewards
+        calls = []
+
+        def counted(*args, calls=calls, score=trainer.adapter.shared_token_log_probs, **kwargs):
+            calls.append(args[2])  # the prefix groups
+            return score(*args, **kwargs)
+
+        trainer.adapter.shared_token_log_probs = counted
+        metrics = trainer.train_step(0)
+        runs[shared] = metrics, trainer.adapter.model.state_dict(), calls
+    (plain, plain_weights, plain_calls), (shared, shared_weights, shared_calls) = runs[False], runs[True]
+    assert not plain_calls and shared_calls
+    assert any(len(set(groups)) < len(groups) for groups in shared_calls)  # some rows did share
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-7) and plain["loss"] != 0
+    assert shared["kl"] == pytest.approx(plain["kl"], rel=1e-4, abs=1e-9)
+    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    # Adam's first step moves every weight by about lr (5e-5) along its gradient's sign: a gradient that
+    # differed in more than float rounding would move weights apart by that much
+    assert all(torch.allclose(shared_weights[k], plain_weights[k], atol=5e-6) for k in plain_weights)

@@ -97,6 +97,11 @@ class ToolGRPOTrainConfig:
     minibatches: int = option(2, "optimizer steps per rollout batch", min=1)
     micro_batch: int = option(32, "sequences per forward/backward", min=1)
     aggregation: Literal["token_mean", "sequence_mean"] = option("token_mean", "loss aggregation")
+    shared_prefix: bool = option(
+        False,
+        "score what rollouts share once per micro-batch in the update: a group's prompt, or the branch a "
+        "tree's sibling leaves grew from (same log-probs and gradients up to float rounding, less compute)",
+    )
     max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
     nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
 
@@ -340,7 +345,10 @@ class ToolGRPOTrainer(Trainer):
             advantages = self.tree_advantages(tree, rewards, slots, keep)
             trained = sum(bool(a.any()) for a in advantages)
 
-        metrics = self.optimise(trajectories, advantages, step)
+        prefixes = None
+        if cfg.train.shared_prefix:
+            prefixes = shared_prefixes(trajectories, g) if tree is None else tree_shared_prefixes(tree)
+        metrics = self.optimise(trajectories, advantages, step, prefixes)
         metrics |= rollout_metrics(trajectories, correct)
         metrics |= metrics_by_kind(trajectories, correct, [q.kind for q in questions for _ in range(g)])
         metrics |= {
@@ -389,16 +397,30 @@ class ToolGRPOTrainer(Trainer):
         return [a * kept[k // cfg.group_size] for k, a in enumerate(tree.token_advantages(node_adv))]
 
     def optimise(
-        self, trajectories: list[Trajectory], advantages: torch.Tensor | list[torch.Tensor], step: int
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor | list[torch.Tensor],
+        step: int,
+        prefixes: list[tuple[int, int]] | None = None,
     ) -> dict[str, Any]:
         """The policy loss on the sampled tokens, `train.minibatches` optimizer steps over a keyed
         shuffle; a non-finite loss or gradient skips the step (`Trainer.skip_step`). `advantages`: one
-        per sequence, or (tree rollouts) one per token of each sequence."""
+        per sequence, or (tree rollouts) one per token of each sequence. `prefixes`: per sequence, the
+        (group, length) of a prefix it shares with the rest of its group, scored once per micro-batch;
+        the shuffle then deals out whole groups, so that a group's rows meet in one micro-batch."""
         cfg = self.config.train
-        order = torch.randperm(
-            len(trajectories), generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
-        ).tolist()
-        parts = [order[i :: cfg.minibatches] for i in range(cfg.minibatches)]
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        if prefixes is None:
+            order = torch.randperm(len(trajectories), generator=generator).tolist()
+            parts = [order[i :: cfg.minibatches] for i in range(cfg.minibatches)]
+        else:
+            members: dict[int, list[int]] = {}
+            for k, (group, _) in enumerate(prefixes):
+                members.setdefault(group, []).append(k)
+            groups = list(members.values())
+            order = [k for g in torch.randperm(len(groups), generator=generator).tolist() for k in groups[g]]
+            size = -(-len(order) // cfg.minibatches)
+            parts = [part for i in range(cfg.minibatches) if (part := order[i * size : (i + 1) * size])]
         self.adapter.model.train()
         stats: list[tuple[int, dict[str, Any], float]] = []
         grad_norms = []
@@ -410,6 +432,7 @@ class ToolGRPOTrainer(Trainer):
                 loss, metrics = self.micro_batch_loss(
                     [trajectories[i] for i in rows],
                     advantages[rows] if torch.is_tensor(advantages) else [advantages[i] for i in rows],
+                    None if prefixes is None else [prefixes[i] for i in rows],
                 )
                 if not self.all_finite(loss):
                     self.skip_step("non-finite loss", cfg.nan_patience)
@@ -427,11 +450,14 @@ class ToolGRPOTrainer(Trainer):
         } | merged
 
     def micro_batch_loss(
-        self, trajectories: list[Trajectory], advantages: torch.Tensor | list[torch.Tensor]
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor | list[torch.Tensor],
+        prefixes: list[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         cfg = self.config
-        batch = self.adapter.collate([t.sequence for t in trajectories], "right")
-        length = batch["input_ids"].shape[1]
+        sequences = [t.sequence for t in trajectories]
+        length = max(len(sequence) for sequence in sequences)
         mask = torch.zeros(len(trajectories), length, dtype=torch.bool)
         old = torch.zeros(len(trajectories), length)
         for row, t in enumerate(trajectories):
@@ -444,9 +470,22 @@ class ToolGRPOTrainer(Trainer):
             advantages = per_token
         device = self.adapter.device
         mask, old = mask.to(device), old.to(device)
-        logp = self.adapter.token_log_probs(
-            batch, mask, model=self.model, temperature=cfg.rollout.temperature
-        )
+        if prefixes is None:
+            batch = self.adapter.collate(sequences, "right")
+
+            def log_probs(model: torch.nn.Module) -> torch.Tensor:
+                return self.adapter.token_log_probs(
+                    batch, mask, model=model, temperature=cfg.rollout.temperature
+                )
+        else:
+            groups, lengths = [group for group, _ in prefixes], [length for _, length in prefixes]
+
+            def log_probs(model: torch.nn.Module) -> torch.Tensor:
+                return self.adapter.shared_token_log_probs(
+                    sequences, lengths, groups, mask, model=model, temperature=cfg.rollout.temperature
+                )
+
+        logp = log_probs(self.model)
         out = self.policy_loss(
             logp,
             old,
@@ -459,9 +498,7 @@ class ToolGRPOTrainer(Trainer):
         loss, metrics = out.loss, dict(out.metrics)
         if self.reference is not None:
             with torch.no_grad():
-                ref = self.adapter.token_log_probs(
-                    batch, mask, model=self.reference, temperature=cfg.rollout.temperature
-                )
+                ref = log_probs(self.reference)
             kl = (kl_to_reference(logp, ref, kind="k3") * mask).sum() / mask.sum().clamp(min=1)
             loss = loss + cfg.train.kl_coef * kl
             metrics["kl"] = kl.detach()
@@ -476,3 +513,22 @@ class ToolGRPOTrainer(Trainer):
         finally:  # setup may have failed before the engine existed
             if getattr(self, "engine", None) is not None:
                 self.engine.close()
+
+
+def shared_prefixes(trajectories: list[Trajectory], group_size: int) -> list[tuple[int, int]]:
+    """Flat groups: the G rollouts of a question share its prompt (every token before the first one the
+    policy sampled). Per trajectory: (group index, prompt length)."""
+    return [(k // group_size, t.loss_mask.index(True)) for k, t in enumerate(trajectories)]
+
+
+def tree_shared_prefixes(tree: TreeRollout) -> list[tuple[int, int]]:
+    """Tree rollouts: sibling leaves share their parent's whole conversation (prompt, the turns above
+    the branch, their observations). Per leaf: (an id of its parent node, where the leaf's own tokens
+    start)."""
+    parents: dict[tuple[int, int], int] = {}
+    prefixes = []
+    for k, node_id in enumerate(tree.leaf_nodes):
+        node = tree.trees[k // tree.group_size].nodes[node_id]
+        group = parents.setdefault((k // tree.group_size, node.parent_id), len(parents))
+        prefixes.append((group, node.state.start))
+    return prefixes
