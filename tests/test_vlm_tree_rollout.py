@@ -310,11 +310,11 @@ def test_a_rewarded_leaf_becomes_more_likely(tmp_path, sign):
         with torch.no_grad():
             return float(trainer.adapter.token_log_probs(batch, torch.tensor([leaf.loss_mask])).sum())
 
-    def optimise(trajectories, advantages, step):
+    def optimise(trajectories, advantages, step, prefixes):
         leaf = trajectories[0]
         seen["advantages"] = [a for a, m in zip(advantages[0].tolist(), leaf.loss_mask, strict=True) if m]
         seen["before"] = leaf_log_prob(leaf)
-        out = real(trajectories, advantages, step)
+        out = real(trajectories, advantages, step, prefixes)
         trainer.adapter.model.eval()
         seen["after"] = leaf_log_prob(leaf)
         return out
