@@ -357,7 +357,7 @@ def test_bench_vlm_compares_the_same_conversations(tmp_path, vlm, capsys):
     from vlm_rl.speed_bench import bench_vlm
 
     vlm.save_pretrained(tmp_path)
-    rows = bench_vlm(rollouts=6, model=str(tmp_path), vllm=False, partial_steps=0)
+    rows = bench_vlm(rollouts=6, model=str(tmp_path), vllm=False, partial_steps=0, tree_steps=0)
     assert [row["variant"] for row in rows] == ["per-sample generate loop", "batched multi-turn engine"]
     assert rows[1]["same_conversations"] and rows[0]["tokens"] == rows[1]["tokens"] > 0
     assert rows[1]["ratio"] == rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]

@@ -402,3 +402,18 @@ def test_shared_prefix_scoring_trains_like_the_unshared_update(tmp_path, rollout
     # Adam's first step moves every weight by about lr (5e-5) along its gradient's sign: a gradient that
     # differed in more than float rounding would move weights apart by that much
     assert all(torch.allclose(shared_weights[k], plain_weights[k], atol=5e-6) for k in plain_weights)
+
+
+def test_tree_bench_rows_count_prefill_and_trained_tokens(capsys):
+    from vlm_rl.eval_benchmarks import resolve_model
+    from vlm_rl.tree_bench import tree_vs_flat_rows
+
+    rows = tree_vs_flat_rows(resolve_model(None), steps=1, branching="[2,2]", questions=2, group_size=4)
+    flat, shared, tree = rows
+    assert [row["variant"] for row in rows] == ["flat groups", "flat, shared prompt", "tree rollouts [2,2]"]
+    # the tree prefills each question's prompt once per wave, flat groups once per rollout
+    assert min(flat["prefill_tokens"], shared["prefill_tokens"]) > tree["prefill_tokens"] > 0
+    assert all(row["trained_tokens"] > 0 and row["seconds"] > 0 for row in rows)
+    assert tree["prefill_ratio"] == tree["prefill_tokens"] / flat["prefill_tokens"]
+    assert tree["wall_per_trained_token_ratio"] == tree["ms_per_trained_token"] / flat["ms_per_trained_token"]
+    assert "tree / flat prefill tokens" in capsys.readouterr().out

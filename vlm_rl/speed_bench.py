@@ -1,5 +1,6 @@
 """`mmrl bench vlm`: the batched multi-turn rollout engine against a per-sample loop, side by side,
-and partial rollouts (APRIL) against synchronous ones.
+partial rollouts (APRIL) against synchronous ones, and tree rollouts against flat groups in whole
+training steps (`vlm_rl.tree_bench`).
 
 Both run the same multi-turn procedure (generate, crop, show the crop, generate) with the same model,
 questions and keyed sampling noise, so they produce the same conversations; the baseline rolls out
@@ -43,6 +44,7 @@ from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
 from vlm_rl.partial_rollout import PartialRollouts
 from vlm_rl.rollout import PartialRolloutConfig, ToolRolloutConfig, Trajectory, TurnGenerator, rollout
+from vlm_rl.tree_bench import tree_vs_flat_rows
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
 TARGET = 3.0
@@ -152,14 +154,14 @@ def bench_vlm(
     vllm: bool = True,
     partial_steps: int = 8,
     partial_groups: int = 8,
+    tree_steps: int = 3,
 ) -> list[dict[str, Any]]:
     """`vllm=false` leaves the vLLM row out (it builds an engine, and vLLM allows one per process);
-    `partial_steps=0` the partial vs synchronous rows."""
+    `partial_steps=0` the partial vs synchronous rows; `tree_steps=0` the tree vs flat rows."""
     check_counts(rollouts=rollouts, partial_groups=partial_groups)
-    if partial_steps < 0:
-        raise ConfigError(
-            f"config error: partial_steps = {partial_steps}: must be at least 0 (0: no partial rows)"
-        )
+    for key, value in (("partial_steps", partial_steps), ("tree_steps", tree_steps)):
+        if value < 0:
+            raise ConfigError(f"config error: {key} = {value}: must be at least 0 (0: leaves its rows out)")
     path = resolve_model(model)
     if not path.is_dir():
         raise ConfigError(
@@ -199,6 +201,8 @@ def bench_vlm(
     print(vllm_note)
     if partial_steps > 0:
         rows += _partial_rows(adapter, partial_groups, partial_steps)
+    if tree_steps > 0:
+        rows += tree_vs_flat_rows(path, tree_steps)
     return rows
 
 
