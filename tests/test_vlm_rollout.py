@@ -492,3 +492,22 @@ def test_the_default_model_is_the_shipped_base_found_from_any_working_directory(
     monkeypatch.chdir(tmp_path)
     adapter = load_policy(DEFAULT_MODEL)
     assert resolve_model(None).is_dir() and adapter.model.config.model_type == "qwen2_vl"
+
+
+def test_each_conversation_keeps_its_own_token_budget(vlm, questions, monkeypatch):
+    """A conversation near max_tokens ends there; it neither cuts the turn of one with room nor marks it
+    truncated."""
+    from vlm_rl.rollout import continue_rollout, start_conversations
+
+    answer = "<answer>B</answer><|im_end|>"
+    scripted(vlm, monkeypatch, [answer])
+    near, roomy = start_conversations(vlm, questions[:2], ToolRolloutConfig())
+    needed = len(vlm.segment(answer))
+    cfg = ToolRolloutConfig(max_tokens=max(len(near.sequence), len(roomy.sequence)) + needed + 2)
+    room = needed - 3  # near gets room for part of the answer only
+    filler = cfg.max_tokens - room - len(near.sequence)
+    near.append(Segment([vlm.segment("A").token_ids[0]] * filler), sampled=False)  # an earlier turn's room
+    assert cfg.max_tokens - len(near.sequence) == room > 0
+    continue_rollout(vlm, [near, roomy], cfg, keys=None)
+    assert roomy.ended == "answer" and roomy.answer == "B"
+    assert near.ended == "max_tokens" and len(near.sequence) == cfg.max_tokens

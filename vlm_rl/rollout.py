@@ -233,15 +233,19 @@ def continue_rollout(
     forced = forced_tokens(adapter, tool_mode)
     active = [i for i, t in enumerate(trajectories) if not t.ended]
     while active:
-        budget = min(cfg.max_tokens - len(trajectories[i].sequence) for i in active)
-        if budget <= 0:  # rows at the token limit end; the others go on
-            for i in active:
-                if len(trajectories[i].sequence) >= cfg.max_tokens:
-                    trajectories[i].ended = "max_tokens"
-            active = [i for i in active if not trajectories[i].ended]
-            continue
-        limit = min(cfg.max_new_tokens - max(len(trajectories[i].turn_ids) for i in active), budget)
-        count = min(limit, segment_tokens) if segment_tokens else limit
+        for i in active:  # rows at the token limit end; the others go on
+            if len(trajectories[i].sequence) >= cfg.max_tokens:
+                trajectories[i].ended = "max_tokens"
+        active = [i for i in active if not trajectories[i].ended]
+        if not active:
+            break
+        # each row's own limits: what is left of its turn and of its conversation's token budget
+        budgets = [cfg.max_tokens - len(trajectories[i].sequence) for i in active]
+        limits = [
+            min(cfg.max_new_tokens - len(trajectories[i].turn_ids), budget)
+            for i, budget in zip(active, budgets, strict=True)
+        ]
+        counts = [min(limit, segment_tokens) if segment_tokens else limit for limit in limits]
         turn_keys = None
         if keys is not None:
             turn_keys = [
@@ -250,25 +254,31 @@ def continue_rollout(
             ]
         out = (engine or adapter).generate_turn(
             [trajectories[i].sequence for i in active],
-            count,
+            max(counts),
             keys=turn_keys,
             temperature=cfg.temperature,
             banned_tokens=banned,
         )
         for row, i in enumerate(active):
             trajectory = trajectories[i]
-            ids = out.token_ids[row]
+            count = counts[row]  # a row of a longer call keeps only what its own limits allow
+            ids, log_probs = out.token_ids[row][:count], out.log_probs[row][:count].tolist()
+            stopped = out.stopped[row] and len(out.token_ids[row]) <= count
             trajectory.calls += 1
-            # a call cut short by a limit (the turn's or the token budget) truncates, one cut by
-            # segment_tokens pauses the turn
-            truncated = len(trajectory.turn_ids) + len(ids) >= cfg.max_new_tokens or count == budget
+            # a call cut by the turn's limit truncates, one cut by the token budget ends the
+            # conversation at max_tokens, one cut by segment_tokens pauses the turn
+            cut = ""
+            if len(trajectory.turn_ids) + len(ids) >= cfg.max_new_tokens:
+                cut = "truncated"
+            elif len(ids) >= budgets[row]:
+                cut = "max_tokens"
             extend_turn(
                 adapter,
                 trajectory,
                 ids,
-                out.log_probs[row].tolist(),
-                out.stopped[row],
-                truncated,
+                log_probs,
+                stopped,
+                cut,
                 cfg,
                 forced if trajectory.turns == 0 else [],
             )
@@ -283,23 +293,24 @@ def extend_turn(
     ids: list[int],
     log_probs: list[float],
     stopped: bool,
-    truncated: bool,
+    cut: str,
     cfg: ToolRolloutConfig,
     forced: list[int],
 ) -> None:
-    """Append sampled tokens to the open turn; a turn that stopped (or is `truncated` without stopping)
-    closes: it ends the conversation with an answer or a truncation, or runs its tool call. `forced`:
-    the unsampled tokens the turn started with."""
+    """Append sampled tokens to the open turn; a turn that stopped, or was `cut` at a limit without
+    stopping ("truncated" or "max_tokens"; "" pauses it), closes: it ends the conversation with an
+    answer or at the limit, or runs its tool call. `forced`: the unsampled tokens the turn started
+    with."""
     trajectory.append(Segment(ids), sampled=True, log_probs=log_probs)
     trajectory.turn_ids += ids
-    if not (stopped or truncated):
+    if not (stopped or cut):
         return  # paused: the next generation call continues this turn
     trajectory.answer_text = adapter.decode(forced + trajectory.turn_ids)
     trajectory.turns += 1
     trajectory.turn_ids = []
     tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
     if not stopped:
-        trajectory.ended = "truncated"
+        trajectory.ended = cut
     elif ids[-1] == answer_end:
         trajectory.ended = "answer"
     elif ids[-1] == tool_end:
@@ -343,9 +354,11 @@ def replay_conversation(
         stopped = bool(ids) and ids[-1] in stops
         if trajectory.ended or not (stopped or index == len(turns) - 1):
             raise ValueError(f"turn {index} of a saved conversation cannot follow the turns before it")
-        truncated = not stopped and ended == "truncated"
+        cut = (
+            ended if not stopped and index == len(turns) - 1 and ended in ("truncated", "max_tokens") else ""
+        )
         first = forced if trajectory.turns == 0 else []
-        extend_turn(adapter, trajectory, list(ids), list(log_probs), stopped, truncated, cfg, first)
+        extend_turn(adapter, trajectory, list(ids), list(log_probs), stopped, cut, cfg, first)
     if not trajectory.ended and ended == "max_tokens":  # ended before a wave, at the token limit
         trajectory.ended = ended
     if trajectory.ended != ended:
