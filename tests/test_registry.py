@@ -82,7 +82,12 @@ def test_an_estimator_of_another_kind_is_refused_naming_the_allowed_ones(recipe,
 
 
 @pytest.mark.parametrize(
-    ("recipe", "extra"), [("core/tiny_grpo", ["model.path=null"]), ("diffusion/branchgrpo_quick", [])]
+    ("recipe", "extra"),
+    [
+        ("core/tiny_grpo", ["model.path=null"]),
+        ("diffusion/branchgrpo_quick", []),
+        ("vlm/tool_grpo_quick", []),
+    ],
 )
 def test_a_bad_sampler_option_names_the_key(recipe, extra, tmp_path, capsys):
     out = tmp_path / "run"

@@ -42,9 +42,9 @@ from mmrl.config import BaseConfig, ConfigError, option, shipped_path
 from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey
 from mmrl.partial import groups_in_flight
-from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, SAMPLERS, TRAINERS, UnknownNameError
+from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, TRAINERS, UnknownNameError
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
-from mmrl.samplers import keep_groups
+from mmrl.samplers import build_sampler, keep_groups
 from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree, fused_node_advantages
 from vlm_rl.data import DataConfig, QuestionSet
@@ -76,6 +76,9 @@ class ToolGRPOTrainConfig:
     questions_per_step: int = option(8, "questions per step on each process", min=1)
     group_size: int = option(8, "rollouts per question", min=2, max=1024, why="groups hold 4 to 256")
     sampler: str = option("beta_thompson", "question sampler", registry="sampler")
+    sampler_options: dict = option(
+        {}, "keyword options of the sampler, e.g. {prior_decay: 0.8} (success: a correct answer)"
+    )
     filter_equal_groups: bool = option(True, "drop groups whose rewards are all equal (no signal)")
     advantage: str = option(
         "grpo",
@@ -234,7 +237,13 @@ class ToolGRPOTrainer(Trainer):
                 )
             except ValueError as err:  # a model this vLLM build cannot run
                 raise ConfigError(f"config error: rollout.backend = 'vllm': {err}") from None
-        self.sampler = SAMPLERS.get(cfg.train.sampler)(len(self.train_set), seed=cfg.seed)
+        self.sampler = build_sampler(
+            cfg.train.sampler,
+            cfg.train.sampler_options,
+            len(self.train_set),
+            cfg.seed,
+            "train.sampler_options",
+        )
         self.partial = None
         if cfg.rollout.partial.enabled:
             if self.accelerator.num_processes > 1:
