@@ -239,13 +239,7 @@ def continue_rollout(
         active = [i for i in active if not trajectories[i].ended]
         if not active:
             break
-        # each row's own limits: what is left of its turn and of its conversation's token budget
-        budgets = [cfg.max_tokens - len(trajectories[i].sequence) for i in active]
-        limits = [
-            min(cfg.max_new_tokens - len(trajectories[i].turn_ids), budget)
-            for i, budget in zip(active, budgets, strict=True)
-        ]
-        counts = [min(limit, segment_tokens) if segment_tokens else limit for limit in limits]
+        counts = [call_limit(trajectories[i], cfg, segment_tokens) for i in active]
         turn_keys = None
         if keys is not None:
             turn_keys = [
@@ -261,30 +255,45 @@ def continue_rollout(
         )
         for row, i in enumerate(active):
             trajectory = trajectories[i]
-            count = counts[row]  # a row of a longer call keeps only what its own limits allow
-            ids, log_probs = out.token_ids[row][:count], out.log_probs[row][:count].tolist()
-            stopped = out.stopped[row] and len(out.token_ids[row]) <= count
-            trajectory.calls += 1
-            # a call cut by the turn's limit truncates, one cut by the token budget ends the
-            # conversation at max_tokens, one cut by segment_tokens pauses the turn
-            cut = ""
-            if len(trajectory.turn_ids) + len(ids) >= cfg.max_new_tokens:
-                cut = "truncated"
-            elif len(ids) >= budgets[row]:
-                cut = "max_tokens"
-            extend_turn(
-                adapter,
-                trajectory,
-                ids,
-                log_probs,
-                stopped,
-                cut,
-                cfg,
-                forced if trajectory.turns == 0 else [],
+            take_generated(
+                adapter, trajectory, out, row, counts[row], cfg, forced if trajectory.turns == 0 else []
             )
         active = [i for i in active if not trajectories[i].ended]
         if enough is not None and enough():
             break
+
+
+def call_limit(trajectory: Trajectory, cfg: ToolRolloutConfig, segment_tokens: int = 0) -> int:
+    """How many tokens a conversation may take from its next generation call: what is left of its turn
+    (`max_new_tokens`) and of its conversation (`max_tokens`), at most `segment_tokens` (> 0) where
+    turns pause. Each conversation keeps its own limits, whatever else shares its call."""
+    limit = min(cfg.max_new_tokens - len(trajectory.turn_ids), cfg.max_tokens - len(trajectory.sequence))
+    return min(limit, segment_tokens) if segment_tokens else limit
+
+
+def take_generated(
+    adapter: VLMAdapter,
+    trajectory: Trajectory,
+    out: Generation,
+    row: int,
+    count: int,
+    cfg: ToolRolloutConfig,
+    forced: list[int],
+) -> list[float]:
+    """Append row `row` of a generation call to its conversation, keeping the `count` tokens its
+    `call_limit` allowed (a batched call runs as long as its longest row may), and close the turn as
+    its end says: a stop token, the turn's limit (truncated), the conversation's (max_tokens), or
+    neither (paused). Returns the kept tokens' log-probs."""
+    ids, log_probs = out.token_ids[row][:count], out.log_probs[row][:count].tolist()
+    stopped = out.stopped[row] and len(out.token_ids[row]) <= count
+    cut = ""
+    if len(trajectory.turn_ids) + len(ids) >= cfg.max_new_tokens:
+        cut = "truncated"
+    elif len(trajectory.sequence) + len(ids) >= cfg.max_tokens:
+        cut = "max_tokens"
+    trajectory.calls += 1
+    extend_turn(adapter, trajectory, ids, log_probs, stopped, cut, cfg, forced)
+    return log_probs
 
 
 def extend_turn(

@@ -22,10 +22,8 @@ is `rollout`'s key for conversation j's turn n, so a flat group samples the very
 Every wave sends all live nodes of all questions to one `generate_turn` call; siblings that have not
 generated yet hold their parent's sequence and share a prefix group, so it is prefilled once.
 
-Limits end a conversation as in `rollout` (answer, max_turns, max_images, max_tokens, truncated), but
-each row is bounded by its own budget: one conversation near `max_tokens` does not shorten the others'
-turns. A turn is `truncated` when it used `max_new_tokens` without a stop token; one that the
-conversation's `max_tokens` cuts ends it as `max_tokens`.
+Turns are taken and closed, and conversations end, exactly as in `rollout` (`call_limit`,
+`take_generated`: answer, max_turns, max_images, max_tokens, truncated; each row within its own limits).
 """
 
 from __future__ import annotations
@@ -41,8 +39,15 @@ from torch import Tensor
 from mmrl.noise import NoiseKey
 from mmrl.tree import RolloutTree, branch_children, split_slots
 from vlm_rl.data import Question
-from vlm_rl.models import IM_END, TOOL_CALL_END, Segment, VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, Trajectory, TurnGenerator, prompt_segment, run_tool
+from vlm_rl.models import VLMAdapter
+from vlm_rl.rollout import (
+    ToolRolloutConfig,
+    Trajectory,
+    TurnGenerator,
+    call_limit,
+    prompt_segment,
+    take_generated,
+)
 from vlm_rl.tools import CropSettings, ImageStore, ToolStats
 
 
@@ -51,11 +56,9 @@ class TreeSegment:
     """A tree node's state: the conversation from the root to the node's end, and where its own tokens
     (sampled, then any observation) begin in it. Frozen once the node splits or ends; children fork it."""
 
-    trajectory: Trajectory
+    trajectory: Trajectory  # its `calls` count the generation calls along the path, this node's included
     start: int
     slots: range  # the leaf slots this node owns
-    calls: int = 0  # generation calls along the path from the root, this node's own included
-    turn_ids: list[int] = field(default_factory=list)  # tokens of the turn still open at the node's end
     log_probs: list[float] = field(default_factory=list)  # of this node's sampled tokens
     fresh: bool = True  # nothing generated yet: the sequence is still the parent's
 
@@ -101,6 +104,7 @@ def fork(trajectory: Trajectory) -> Trajectory:
         trajectory,
         loss_mask=list(trajectory.loss_mask),
         old_log_probs=list(trajectory.old_log_probs),
+        turn_ids=list(trajectory.turn_ids),
         store=store,
         tool_stats=ToolStats(stats.calls, stats.successes, Counter(stats.errors)),
     )
@@ -137,7 +141,7 @@ class Forest:
         """A live child that starts from the parent's end (the parent's generation calls included)."""
         parent = self.trees[i].nodes[parent_id].state
         trajectory = fork(parent.trajectory)
-        state = TreeSegment(trajectory, len(trajectory.sequence), slots, parent.calls, list(parent.turn_ids))
+        state = TreeSegment(trajectory, len(trajectory.sequence), slots)
         self.live.append((i, self.trees[i].add_child(parent_id, state)))
 
     def close(self, i: int, node_id: int) -> None:
@@ -193,7 +197,6 @@ def tree_rollout(
     if len(slots) != len(questions):
         raise ValueError(f"{len(slots)} slots for {len(questions)} questions")
     settings = CropSettings(cfg.coordinate_space, cfg.crop_padding, cfg.crop_min_size)
-    tool_end, answer_end = adapter.token_ids_of([TOOL_CALL_END, IM_END])
     forest = Forest(cfg.tree.branching, group_size)
     for question in questions:
         prompt = prompt_segment(adapter, question, cfg.system_prompt, question.image)
@@ -208,14 +211,12 @@ def tree_rollout(
         rows, limits = [], []
         for i, node_id in wave:
             state = forest.trees[i].nodes[node_id].state
-            budget = cfg.max_tokens - len(state.trajectory.sequence)
-            if budget <= 0:  # at the token limit before generating: it ends
+            if len(state.trajectory.sequence) >= cfg.max_tokens:  # at the token limit before generating
                 state.trajectory.ended = "max_tokens"
                 forest.close(i, node_id)
                 continue
-            limit = min(cfg.max_new_tokens - len(state.turn_ids), budget)
             rows.append((i, node_id))
-            limits.append(min(limit, cfg.tree.segment_tokens) if cfg.tree.segment_tokens else limit)
+            limits.append(call_limit(state.trajectory, cfg, cfg.tree.segment_tokens))
         if not rows:
             continue
         nodes = [forest.trees[i].nodes[node_id] for i, node_id in rows]
@@ -224,7 +225,9 @@ def tree_rollout(
             [node.state.trajectory.sequence for node in nodes],
             max(limits),
             keys=[
-                NoiseKey(seed, step, slots[i] * group_size + node.state.slots.start, node.state.calls)
+                NoiseKey(
+                    seed, step, slots[i] * group_size + node.state.slots.start, node.state.trajectory.calls
+                )
                 for (i, _), node in zip(rows, nodes, strict=True)
             ],
             temperature=cfg.temperature,
@@ -237,21 +240,11 @@ def tree_rollout(
         )
         prefill_tokens += out.prefill_tokens
         for r, ((i, node_id), node, limit) in enumerate(zip(rows, nodes, limits, strict=True)):
-            ids, log_probs = out.token_ids[r][:limit], out.log_probs[r][:limit].tolist()
-            stopped = out.stopped[r] and len(out.token_ids[r]) <= limit  # not by a stop past the row's limit
-            decoded_tokens += len(ids)
             state, t = node.state, node.state.trajectory
-            extend(adapter, state, ids, log_probs)
-            if stopped:
-                state.turn_ids = []
-                if ids[-1] == answer_end:
-                    t.ended = "answer"
-                elif ids[-1] == tool_end:
-                    run_tool(adapter, t, cfg)
-            elif len(state.turn_ids) >= cfg.max_new_tokens:
-                t.ended = "truncated"
-            elif len(t.sequence) >= cfg.max_tokens:
-                t.ended = "max_tokens"
+            log_probs = take_generated(adapter, t, out, r, limit, cfg, forced=[])
+            decoded_tokens += len(log_probs)
+            state.log_probs += log_probs
+            state.fresh = False
             if t.ended:
                 forest.close(i, node_id)
             elif forest.width(i, node_id) == 1:  # a branch point without a split: the node goes on
@@ -260,16 +253,3 @@ def tree_rollout(
                 forest.close(i, node_id)
                 forest.branch(i, node_id)
     return forest.result(prefill_tokens, decoded_tokens)
-
-
-def extend(adapter: VLMAdapter, state: TreeSegment, ids: list[int], log_probs: list[float]) -> None:
-    """Append one generated segment to a node; a segment that opens a turn counts the turn."""
-    t = state.trajectory
-    if not state.turn_ids:
-        t.turns += 1
-    t.append(Segment(ids), sampled=True, log_probs=log_probs)
-    state.turn_ids += ids
-    state.log_probs += log_probs
-    state.calls += 1
-    state.fresh = False
-    t.answer_text = adapter.decode(state.turn_ids)
