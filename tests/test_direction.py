@@ -226,9 +226,9 @@ def test_tool_grpo_update_raises_the_rewarded_conversations(tmp_path, monkeypatc
     seen = {}
     optimise = trainer.optimise
 
-    def spy(trajectories, advantages, step):
+    def spy(trajectories, advantages, step, prefixes):
         seen["trajectories"] = trajectories
-        return optimise(trajectories, advantages, step)
+        return optimise(trajectories, advantages, step, prefixes)
 
     def reward(texts, group_ids, **kwargs):
         return torch.tensor([1.0, 1.0, 0.0, 0.0] * (len(texts) // 4))

@@ -215,7 +215,9 @@ def test_evaluate_policies_refuses_unknown_task_before_loading(policies, tmp_pat
 @pytest.mark.needs_rendering
 def test_bench_vla_tiny(capsys):
     rows = bench_vla(steps=3, num_envs=2, repeats=1, image_size=SIZE)
-    assert [row["section"] for row in rows] == ["(a)", "(a)", "(b)", "(c)", "(c)"]
+    assert [row["section"] for row in rows] == ["(a)", "(a)", "(b)", "(c)", "(c)", "(d)"]
+    branched, rows = rows[-1], rows[:-1]  # (d), env steps per trained decision: tests/test_vla_branching.py
+    assert branched["verdict"] == ("PASS" if branched["ratio"] <= branched["target"] else "FAIL")
     for row in rows:
         assert {
             "name",
