@@ -33,7 +33,9 @@ TINY = [
 ]
 
 
-def launch_two(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def launch_two(
+    run_dir: Path, *overrides: str, recipe: str = "core/tiny_grpo", base: list[str] = TINY
+) -> subprocess.Popen:
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [
         str(accelerate),
@@ -45,9 +47,9 @@ def launch_two(run_dir: Path, *overrides: str) -> subprocess.Popen:
         "-m",
         "mmrl",
         "train",
-        "core/tiny_grpo",
+        recipe,
         f"output_dir={run_dir}",
-        *TINY,
+        *base,
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -99,6 +101,26 @@ def test_two_process_ddp_run(tmp_path, capsys):
         2,
         3,
     ]
+
+
+def test_two_process_vlm_tree_run_scores_shared_prefixes_under_ddp(tmp_path):
+    """vlm/tool_grpo_tree calls the DDP-wrapped model twice before each backward (shared branches,
+    then the rows on their cache): two gloo processes train it."""
+    tiny = [
+        "progress=false",
+        "data.train_size=16",
+        "data.heldout_size=4",
+        "eval_modes=[auto]",
+        "train.questions_per_step=2",
+        "train.group_size=4",
+        "checkpoint_every=1",
+    ]
+    proc = launch_two(tmp_path, "steps=2", recipe="vlm/tool_grpo_tree", base=tiny)
+    stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["trained_sequences"] > 0 and row["branch_points"] > 0 for row in rows)
 
 
 @pytest.mark.slow
