@@ -196,7 +196,7 @@ def tiny_vlm_config():
     ],
 )
 def test_vlm_rollouts_too_big(overrides, expected):
-    from vlm_rl.trainer import check_rollout_size
+    from vlm_rl.config import check_rollout_size
 
     config = load_config("vlm/tool_grpo", overrides)
     with pytest.raises(ConfigError, match=re.escape(expected)):
@@ -238,7 +238,7 @@ def setup_time_check(config):
         pipe = shipped_pipeline(config.model.path)
         check_rollout_size(config, pipe, len(load_prompts(config.prompt_file)), PROCESSES, CPU)
     elif config.trainer == "tool_grpo":
-        from vlm_rl.trainer import check_rollout_size
+        from vlm_rl.config import check_rollout_size
 
         sizes = (config.data.train_size, config.data.heldout_size)
         check_rollout_size(config, tiny_vlm_config(), sizes, PROCESSES, CPU)

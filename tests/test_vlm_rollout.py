@@ -486,8 +486,8 @@ def test_a_missing_default_checkpoint_names_the_command_that_writes_it(tmp_path,
 
 
 def test_the_default_model_is_the_shipped_base_found_from_any_working_directory(tmp_path, monkeypatch):
+    from vlm_rl.config import DEFAULT_MODEL
     from vlm_rl.eval_benchmarks import resolve_model
-    from vlm_rl.trainer import DEFAULT_MODEL
 
     monkeypatch.chdir(tmp_path)
     adapter = load_policy(DEFAULT_MODEL)

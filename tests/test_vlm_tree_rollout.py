@@ -12,10 +12,11 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.noise import NoiseKey
 from mmrl.tree import fused_node_advantages
+from vlm_rl.config import DEFAULT_MODEL
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
 from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, VLMAdapter, shared_prefixes
 from vlm_rl.rollout import ToolRolloutConfig, TreeRolloutConfig, prompt_segment, rollout
-from vlm_rl.trainer import DEFAULT_MODEL, ToolGRPOTrainer, load_policy
+from vlm_rl.trainer import ToolGRPOTrainer, load_policy
 from vlm_rl.tree_rollout import tree_rollout
 
 load_plugins()

@@ -138,7 +138,7 @@ class VLMEvalConfig:
 
 
 def resolve_model(model: str | None) -> Path:
-    from vlm_rl.trainer import DEFAULT_MODEL
+    from vlm_rl.config import DEFAULT_MODEL
 
     return shipped_path(model or DEFAULT_MODEL)
 

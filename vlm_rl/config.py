@@ -1,0 +1,143 @@
+"""The `tool_grpo` trainer's configuration: one dataclass per section, the checks that need several
+fields, and the size check made at setup (`check_rollout_size`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import PretrainedConfig
+
+from mmrl.advantages import check_group_size
+from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.partial import groups_in_flight
+from mmrl.registry import ADVANTAGES
+from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
+from vlm_rl.data import DataConfig
+from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig
+
+DEFAULT_MODEL = "vlm_rl/assets/tiny_vlm"  # shipped; `mmrl pretrain vlm` remakes it (runs/pretrain/vlm/model)
+
+
+@dataclass
+class PolicyConfig:
+    path: str = option(DEFAULT_MODEL, "local VLM checkpoint (default: the shipped tiny base)")
+
+
+@dataclass
+class ToolGRPOTrainConfig:
+    lr: float = option(1e-4, "AdamW learning rate", min=0.0)
+    questions_per_step: int = option(8, "questions per step on each process", min=1)
+    group_size: int = option(8, "rollouts per question", min=2, max=1024, why="groups hold 4 to 256")
+    sampler: str = option("beta_thompson", "question sampler", registry="sampler")
+    sampler_options: dict = option(
+        {}, "keyword options of the sampler, e.g. {prior_decay: 0.8} (success: a correct answer)"
+    )
+    filter_equal_groups: bool = option(True, "drop groups whose rewards are all equal (no signal)")
+    advantage: str = option(
+        "grpo",
+        "advantage estimator: a group one over each question's flat group, or a tree one, e.g. "
+        "tree_depthwise (scores every node of rollout.tree's trees; on flat groups, their depth-1 trees)",
+        registry="advantage",
+        kinds=("group", "tree"),
+    )
+    loss: str = option(
+        "ppo_clip",
+        "policy loss on the sampled tokens' log-probs, called with clip_low, clip_high and aggregation",
+        registry="loss",
+        kinds=("policy",),
+    )
+    clip_low: float = option(0.2, "PPO ratio clip below 1", min=0.0)
+    clip_high: float = option(0.28, "PPO ratio clip above 1 (DAPO clip-higher)", min=0.0)
+    adv_clip: float = option(5.0, "advantages clipped to [-adv_clip, adv_clip]", min=0.0)
+    kl_coef: float = option(0.0, "weight of the k3 KL to the frozen start model", min=0.0)
+    minibatches: int = option(2, "optimizer steps per rollout batch", min=1)
+    micro_batch: int = option(32, "sequences per forward/backward", min=1)
+    aggregation: Literal["token_mean", "sequence_mean"] = option("token_mean", "loss aggregation")
+    shared_prefix: bool = option(
+        False,
+        "score what rollouts share once per micro-batch in the update: a group's prompt, or the branch a "
+        "tree's sibling leaves grew from (same log-probs and gradients up to float rounding, less compute)",
+    )
+    max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
+
+
+@dataclass
+class ToolRewardConfig:
+    name: str = option("adaptive_tool", "reward (see `mmrl list`)", registry="reward")
+    options: dict = option({}, "keyword options of the reward factory, e.g. {scheme: tool_cost}")
+
+
+@dataclass
+class ToolGRPOConfig(BaseConfig):
+    trainer: str = option("tool_grpo", "trainer name", registry="trainer")
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: ToolRolloutConfig = field(default_factory=ToolRolloutConfig)
+    train: ToolGRPOTrainConfig = field(default_factory=ToolGRPOTrainConfig)
+    reward: ToolRewardConfig = field(default_factory=ToolRewardConfig)
+    eval_modes: list[str] = option(
+        list(TOOL_MODES), "tool modes evaluated before and after", choices=TOOL_MODES
+    )
+
+    def __post_init__(self) -> None:
+        check_group_size(self.train.advantage, self.train.group_size, "train.group_size")
+        tree = self.rollout.tree
+        if tree.enabled and not ADVANTAGES.has_kind(self.train.advantage, "tree"):
+            trees = ", ".join(ADVANTAGES.names_of_kind(("tree",)))
+            raise ConfigError(
+                f"config error: train.advantage = {self.train.advantage!r} scores the leaves of flat groups "
+                f"only, but rollout.tree.enabled = true trains shared segments that need node advantages: "
+                f"use a tree advantage ({trees}), or rollout.tree.enabled=false"
+            )
+        if tree.enabled and self.rollout.partial.enabled:
+            raise ConfigError(
+                "config error: rollout.tree.enabled and rollout.partial.enabled are not supported together: "
+                "set one of them to false"
+            )
+
+
+def check_rollout_size(
+    cfg: ToolGRPOConfig,
+    model: PretrainedConfig,
+    questions: tuple[int, int],
+    processes: int,
+    device: torch.device,
+) -> None:
+    """Refuse a step that would draw a question twice, or whose rollouts, updates and held-out images
+    cannot fit on `device`: every rollout keeps its images and a key/value cache of up to
+    `rollout.max_tokens` tokens, and each update runs `train.micro_batch` sequences with gradients and
+    full logits. `questions`: (training, held-out) set sizes. Images of a question file are not
+    counted (their sizes are known only once loaded)."""
+    n, g = cfg.train.questions_per_step, cfg.train.group_size
+    check_enough_prompts(
+        "train.questions_per_step",
+        n,
+        processes,
+        questions[0],
+        f"the {questions[0]} training questions (data.train_size, or the rows of data.source)",
+        "lower train.questions_per_step or use more questions",
+    )
+    text = model.get_text_config()
+    hidden, layers, tokens = text.hidden_size, text.num_hidden_layers, cfg.rollout.max_tokens
+    synthetic = cfg.data.source == "zoom_task"
+    image = 3 * cfg.data.canvas_size**2 if synthetic else 0
+    partial = cfg.rollout.partial
+    flight = groups_in_flight(n, partial.over_provision) if partial.enabled else n
+    scale = " x (1 + rollout.partial.over_provision)" if partial.enabled else ""
+    rollouts = flight * g * (cfg.rollout.max_images * image + tokens * layers * 2 * hidden * 4)
+    sequences = min(cfg.train.micro_batch, -(-n * g // cfg.train.minibatches))  # one micro-batch
+    update = sequences * tokens * 4 * (ACTIVATION_FLOATS * hidden * layers + 3 * text.vocab_size)
+    images = f" of {cfg.data.canvas_size} px (data.canvas_size)" if synthetic else ""
+    check_memory(
+        rollouts + update + questions[1] * image,
+        f"rollouts of {flight} questions x {g} (train.questions_per_step{scale} x train.group_size), each "
+        f"up to {tokens} tokens (rollout.max_tokens) and {cfg.rollout.max_images} images{images}, updates of "
+        f"{sequences} sequences (train.micro_batch) and {questions[1]} held-out questions",
+        ["train.questions_per_step", "train.group_size", "rollout.max_tokens", "train.micro_batch"]
+        + (["rollout.partial.over_provision"] if partial.enabled else [])
+        + (["data.canvas_size"] if synthetic else []),
+        device,
+    )
