@@ -418,3 +418,16 @@ def test_tree_bench_rows_count_prefill_and_trained_tokens(capsys):
     assert tree["prefill_ratio"] == tree["prefill_tokens"] / flat["prefill_tokens"]
     assert tree["wall_per_trained_token_ratio"] == tree["ms_per_trained_token"] / flat["ms_per_trained_token"]
     assert "tree / flat prefill tokens" in capsys.readouterr().out
+
+
+def test_flat_shared_prefixes_are_the_prompts_even_without_sampled_tokens():
+    from vlm_rl.models import Segment
+    from vlm_rl.rollout import Trajectory
+    from vlm_rl.trainer import shared_prefixes
+
+    def conversation(mask):
+        return Trajectory(Segment(list(range(len(mask)))), mask, [0.0] * len(mask), ("A", "B"), None)
+
+    sampled = conversation([False, False, True, True])
+    unsampled = conversation([False, False, False])  # ended at max_tokens before sampling
+    assert shared_prefixes([sampled, sampled, unsampled, unsampled], 2) == [(0, 2), (0, 2), (1, 3), (1, 3)]

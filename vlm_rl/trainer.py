@@ -395,8 +395,12 @@ class ToolGRPOTrainer(Trainer):
 
 def shared_prefixes(trajectories: list[Trajectory], group_size: int) -> list[tuple[int, int]]:
     """Flat groups: the G rollouts of a question share its prompt (every token before the first one the
-    policy sampled). Per trajectory: (group index, prompt length)."""
-    return [(k // group_size, t.loss_mask.index(True)) for k, t in enumerate(trajectories)]
+    policy sampled; all of a conversation that ended at max_tokens before sampling any, as all of its
+    group did). Per trajectory: (group index, prompt length)."""
+    return [
+        (k // group_size, next((i for i, sampled in enumerate(t.loss_mask) if sampled), len(t.loss_mask)))
+        for k, t in enumerate(trajectories)
+    ]
 
 
 def tree_shared_prefixes(tree: TreeRollout) -> list[tuple[int, int]]:
