@@ -8,7 +8,7 @@ import torch
 
 from mmrl.noise import NoiseKey
 from tests.test_vlm_models import WORDS, picture, text_tokens
-from vlm_rl.models import Segment, TinyVLMSpec, VLMAdapter, shared_prefixes
+from vlm_rl.models import PADDING_WASTE, Segment, TinyVLMSpec, VLMAdapter, length_buckets, shared_prefixes
 from vlm_rl.vllm_engine import prefill_count
 
 
@@ -98,6 +98,34 @@ def test_a_second_turn_shared_by_siblings(vlm):
     assert flat.prefill_tokens - shared.prefill_tokens == 2 * len(seconds[0]) + 2 * len(seconds[1])
 
 
+def test_length_buckets_split_only_batches_mostly_padding():
+    one_turn = [108, 100, 104, 108]
+    assert length_buckets(one_turn) == [[1, 2, 0, 3]]
+    fresh_and_continued = [108] * 6 + [215] * 2 + [108] * 2
+    assert length_buckets(fresh_and_continued) == [[0, 1, 2, 3, 4, 5, 8, 9], [6, 7]]
+    lengths = [10, 400, 30, 200, 40, 210, 20, 12]
+    buckets = length_buckets(lengths)
+    assert sorted(row for rows in buckets for row in rows) == list(range(len(lengths)))
+    for rows in buckets:
+        sizes = [lengths[row] for row in rows]
+        assert max(sizes) * len(sizes) - sum(sizes) <= PADDING_WASTE * max(sizes) * len(sizes)
+    assert len(buckets) > 2 and length_buckets([]) == []
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_rows_generated_in_length_buckets_are_those_of_one_padded_batch(vlm, sampled):
+    """A turn whose rows differ in length by images and turns goes out in several calls, with the
+    tokens, log-probs and prefill count of one left-padded batch."""
+    distinct = prompts(vlm)
+    rows = [distinct[i] for i in (2, 0, 1, 0, 2, 1)]
+    assert len(length_buckets([len(s) for s in rows])) > 1
+    keys = [NoiseKey(3, 0, row, 0) for row in range(len(rows))] if sampled else None
+    one_batch = vlm.generate(vlm.collate(rows, "left"), 12, keys=keys, temperature=0.9)
+    bucketed = vlm.generate_turn(rows, 12, keys=keys, temperature=0.9)
+    assert_same_generation(bucketed, one_batch)
+    assert bucketed.prefill_tokens == one_batch.prefill_tokens == sum(len(s) for s in rows)
+
+
 def test_rows_under_one_prefix_id_must_hold_one_sequence(vlm):
     a, b, _ = prompts(vlm)
     with pytest.raises(ValueError, match="rows 0 and 2 under id 7"):
@@ -108,7 +136,7 @@ def test_rows_under_one_prefix_id_must_hold_one_sequence(vlm):
         vlm.generate_turn([a, same_tokens], 4, prefix_groups=[0, 0])
     with pytest.raises(ValueError, match="2 prefix_groups ids for 3 sequences"):
         vlm.generate_turn([a, b, a], 4, prefix_groups=[0, 1])
-    with pytest.raises(ValueError, match="2 sampling keys for 3 rows"):
+    with pytest.raises(ValueError, match="2 sampling keys for 3 sequences"):
         vlm.generate_turn([a, b, a], 4, keys=[NoiseKey(0, 0, 0, 0)] * 2, prefix_groups=[0, 1, 0])
     again = vlm.prompt_token_ids("what color is the square ?", picture())  # equal, not the same objects
     assert shared_prefixes([a, b, again, a], [3, 1, 3, 3]) == ([0, 1], [0, 1, 0, 0])

@@ -98,6 +98,7 @@ CHAT_TEMPLATE = (
 # Stands for the assistant's text when rendering an observation, to find where that turn's text ends.
 ASSISTANT_SENTINEL = "@@assistant-text@@"
 MAX_IMAGE_SIDE = 8000
+PADDING_WASTE = 0.25  # `length_buckets`: the share of a batch's tokens that may be left padding
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # what transformers and safetensors raise for a file that is missing, malformed or of another model
@@ -201,6 +202,19 @@ class Generation:
     # (or found in an engine's prefix cache) counts once
     prefill_tokens: int
 
+    @staticmethod
+    def gather(parts: Sequence[Generation], rows: Sequence[Sequence[int]]) -> Generation:
+        """One generation from `parts`, part k's row i becoming row `rows[k][i]`."""
+        count = sum(len(part_rows) for part_rows in rows)
+        token_ids: list[list[int]] = [[] for _ in range(count)]
+        log_probs = [torch.empty(0)] * count
+        stopped = [False] * count
+        for part, part_rows in zip(parts, rows, strict=True):
+            for i, row in enumerate(part_rows):
+                token_ids[row], log_probs[row] = part.token_ids[i], part.log_probs[i]
+                stopped[row] = part.stopped[i]
+        return Generation(token_ids, log_probs, stopped, sum(part.prefill_tokens for part in parts))
+
 
 def shared_prefixes(
     sequences: Sequence[Segment], prefix_groups: Sequence[int]
@@ -224,6 +238,26 @@ def shared_prefixes(
             )
         rows.append(position[group])
     return distinct, rows
+
+
+def length_buckets(lengths: Sequence[int], waste: float = PADDING_WASTE) -> list[list[int]]:
+    """Row indices in groups to generate apart, shortest first: a group whose left padding would be more
+    than `waste` of its padded tokens splits, recursively, at the length that leaves the least padding.
+    On the transformers backend a padded token costs as much as a real one in every layer, and a batch
+    that mixes fresh conversations with long continued ones (partial and tree rollouts) would be
+    mostly padding; rows of similar length stay together, so a batch of one turn is not split."""
+    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
+    buckets, pending = [], [order] if order else []
+    while pending:
+        rows = pending.pop()
+        sizes = [lengths[row] for row in rows]
+        padded = sizes[-1] * len(rows)  # sorted: the last row is the longest
+        if padded - sum(sizes) <= waste * padded:
+            buckets.append(rows)
+            continue
+        cut = min(range(1, len(rows)), key=lambda c: sizes[c - 1] * c + sizes[-1] * (len(rows) - c))
+        pending += [rows[cut:], rows[:cut]]  # the shorter part comes off the stack first
+    return buckets
 
 
 def same_sequence(a: Segment, b: Segment) -> bool:
@@ -802,7 +836,28 @@ class VLMAdapter(ABC):
 
         `prefix_groups` gives each row an id; rows with one id hold the same sequence (e.g. a tree
         rollout's siblings, which continue one conversation), which is then prefilled once and its
-        key/value cache shared by them, with the tokens and log-probs of the unshared call."""
+        key/value cache shared by them, with the tokens and log-probs of the unshared call.
+
+        Rows of very different lengths are generated in separate calls (`length_buckets`); a row's
+        tokens depend on its key alone, so they are the same either way (log-probs to float rounding)."""
+        for name, given in (("sampling keys", keys), ("prefix_groups ids", prefix_groups)):
+            if given is not None and len(given) != len(sequences):
+                raise ValueError(f"{len(given)} {name} for {len(sequences)} sequences")
+        buckets = length_buckets([len(sequence) for sequence in sequences])
+        if len(buckets) > 1:
+            parts = [
+                self.generate_turn(
+                    [sequences[row] for row in rows],
+                    max_new_tokens,
+                    keys=None if keys is None else [keys[row] for row in rows],
+                    temperature=temperature,
+                    stop_tokens=stop_tokens,
+                    banned_tokens=banned_tokens,
+                    prefix_groups=None if prefix_groups is None else [prefix_groups[row] for row in rows],
+                )
+                for rows in buckets
+            ]
+            return Generation.gather(parts, buckets)
         if prefix_groups is None:
             batch, rows = self.collate(sequences, "left"), None
         else:
