@@ -843,35 +843,20 @@ class VLMAdapter(ABC):
         for name, given in (("sampling keys", keys), ("prefix_groups ids", prefix_groups)):
             if given is not None and len(given) != len(sequences):
                 raise ValueError(f"{len(given)} {name} for {len(sequences)} sequences")
-        buckets = length_buckets([len(sequence) for sequence in sequences])
-        if len(buckets) > 1:
-            parts = [
-                self.generate_turn(
-                    [sequences[row] for row in rows],
-                    max_new_tokens,
-                    keys=None if keys is None else [keys[row] for row in rows],
-                    temperature=temperature,
-                    stop_tokens=stop_tokens,
-                    banned_tokens=banned_tokens,
-                    prefix_groups=None if prefix_groups is None else [prefix_groups[row] for row in rows],
-                )
-                for rows in buckets
-            ]
-            return Generation.gather(parts, buckets)
-        if prefix_groups is None:
-            batch, rows = self.collate(sequences, "left"), None
-        else:
-            distinct, rows = shared_prefixes(sequences, prefix_groups)
-            batch = self.collate([sequences[row] for row in distinct], "left")
-        return self.generate(
-            batch,
-            max_new_tokens,
-            keys=keys,
-            temperature=temperature,
-            stop_tokens=stop_tokens,
-            banned_tokens=banned_tokens,
-            rows=rows,
-        )
+        if prefix_groups is not None:
+            shared_prefixes(sequences, prefix_groups)  # the check, naming rows as the caller numbers them
+        options = {"temperature": temperature, "stop_tokens": stop_tokens, "banned_tokens": banned_tokens}
+        buckets, parts = length_buckets([len(sequence) for sequence in sequences]), []
+        for rows in buckets:
+            part = [sequences[row] for row in rows]
+            if prefix_groups is None:
+                batch, shared = self.collate(part, "left"), None
+            else:
+                distinct, shared = shared_prefixes(part, [prefix_groups[row] for row in rows])
+                batch = self.collate([part[row] for row in distinct], "left")
+            part_keys = None if keys is None else [keys[row] for row in rows]
+            parts.append(self.generate(batch, max_new_tokens, keys=part_keys, rows=shared, **options))
+        return Generation.gather(parts, buckets)
 
     def token_ids_of(self, tokens: Sequence[str]) -> list[int]:
         """Ids of tokens that must each be one token of the vocabulary (stop and banned tokens)."""
