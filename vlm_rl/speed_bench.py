@@ -20,9 +20,8 @@ task's held-out questions, at a detail share of `PARTIAL_DETAIL`, the shipped po
 questions in one short turn and zooms on the others (a tool-call turn several times as long, a crop,
 an answer turn), so the few zooming groups hold most of the tokens and all of the second turns.
 Partial rollouts save the time a batch spends waiting on its longest conversations; where a wave's
-time goes to prefilling rather than decoding (a CPU, on which the vision tower encodes every image
-again at every turn) there is little of it, and the continued conversations, an image longer, pad the
-fresh ones of their batch.
+time grows with its rows (a CPU, on which the vision tower encodes every image again at every turn and
+prefill dominates) there is little of it.
 """
 
 from __future__ import annotations
