@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from diffusion_rl.diffusion_trainer import load_prompts
 from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, train_prompts
-from diffusion_rl.trainer import load_prompts
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS, REWARDS, UnknownNameError
 
