@@ -1,8 +1,14 @@
-"""Policy losses: pure functions on tensors. `LOSSES` holds the policy losses a trainer's `train.loss`
-can name: each is called as loss(logp, old_logp, advantages, mask, **options) and returns a
-`LossOutput`; the trainers pass ppo_clip's options (clip_low, clip_high, adv_clip and, where they
-have it, aggregation), so a new loss takes those keywords too. The KL estimates and the AWR weights
-are plain functions the trainers add or use where their method needs them.
+"""Training losses: pure functions on tensors. `LOSSES` holds the losses a trainer's `train.loss` can
+name, of two kinds (see `mmrl.registry.LOSSES`):
+
+- policy losses are called as loss(logp, old_logp, advantages, mask, **options) and return a
+  `LossOutput`; the trainers pass ppo_clip's options (clip_low, clip_high, adv_clip and, where they
+  have it, aggregation), so a new one takes those keywords too.
+- forward-process losses are called as loss(velocity, old_velocity, x_t, x0, t, optimality, **options)
+  on noised clean samples of a flow-matching policy (diffusion_nft) and return a `LossOutput`.
+
+The KL estimates, the AWR weights and the DiffusionNFT optimality map are plain functions the
+trainers add or use where their method needs them.
 
 Log-probs are per sequence `[B]` or per token/step `[B, T]` with a mask `[B, T]` (True = counts);
 advantages are `[B]` (broadcast over T) or shaped like the log-probs. Masked entries never reach
@@ -140,6 +146,110 @@ def awr_weights(
         a = (a - a.mean()) / (a.std(unbiased=False) + eps)
     weights = torch.exp(a / beta).clamp(max=max_weight)  # exp overflow gives inf, clamped too
     return weights.to(advantages.dtype)
+
+
+def nft_optimality(advantages: Tensor, clip: float) -> Tensor:
+    """DiffusionNFT's optimality r = clamp(A, -clip, clip) / (2 clip) + 1/2, in [0, 1]: r = 1 trains
+    only toward a sample, r = 0 only away from it, r = 1/2 (A = 0) leaves it alone.
+
+    clip must be > 0; non-finite advantages raise ValueError (they would give NaN or a silent 0/1)."""
+    if not clip > 0:
+        raise ValueError(f"nft_optimality: clip must be > 0, got {clip}")
+    advantages = advantages if advantages.is_floating_point() else advantages.float()
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages contain NaN or inf")
+    return advantages.clamp(-clip, clip) / (2.0 * clip) + 0.5
+
+
+@LOSSES.register("diffusion_nft", kind="forward_process")
+def diffusion_nft(
+    velocity: Tensor,
+    old_velocity: Tensor,
+    x_t: Tensor,
+    x0: Tensor,
+    t: Tensor,
+    optimality: Tensor,
+    beta: float = 1.0,
+    scale: float = 1.0,
+    reference_velocity: Tensor | None = None,
+    kl_coef: float = 0.0,
+    min_weight: float = 1e-5,
+) -> LossOutput:
+    """DiffusionNFT: reinforcement on the forward process. The policy is trained by flow matching on its
+    own clean samples x0, noised to x_t = (1 - t) x0 + t eps, so it needs no likelihoods and the samples
+    may come from any sampler (ODE, SDE, few steps).
+
+    Two implicit policies share the trained velocity v and the old one v_old:
+    v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v. Good samples (optimality r near 1)
+    are regressed with v+, bad ones (r near 0) with v-, which moves v away from them:
+    per sample  scale * (r * mean(e+^2) / w+ + (1 - r) * mean(e-^2) / w-) / beta, with the errors
+    e = x0_hat(v) - x0, x0_hat(v) = x_t - t v, means over all but the batch dim, and adaptive weights
+    w = mean|e|, detached and at least min_weight. With reference_velocity and kl_coef > 0,
+    kl_coef * mean((v - v_ref)^2) keeps v near a reference. old_velocity and reference_velocity are
+    constants here. Shapes: velocity, old_velocity, x_t, x0 (and reference_velocity) `[B, ...]`;
+    t and optimality `[B]`.
+    """
+    if not beta > 0:
+        raise ValueError(f"diffusion_nft: beta must be > 0, got {beta}")
+    if not min_weight > 0:
+        raise ValueError(f"diffusion_nft: min_weight must be > 0, got {min_weight}")
+    if not kl_coef >= 0:
+        raise ValueError(f"diffusion_nft: kl_coef must be >= 0, got {kl_coef}")
+    shape = velocity.shape
+    if velocity.dim() < 2:
+        raise ValueError(f"diffusion_nft: velocity must be [B, ...] with at least 2 dims, got {tuple(shape)}")
+    tensors = {"old_velocity": old_velocity, "x_t": x_t, "x0": x0}
+    if reference_velocity is not None:
+        tensors["reference_velocity"] = reference_velocity
+    for name, value in tensors.items():
+        if value.shape != shape:
+            raise ValueError(
+                f"diffusion_nft: {name} has shape {tuple(value.shape)}, velocity has {tuple(shape)}"
+            )
+    for name, value in (("t", t), ("optimality", optimality)):
+        if value.shape != shape[:1]:
+            raise ValueError(
+                f"diffusion_nft: {name} must have shape ({shape[0]},) for velocity {tuple(shape)}, "
+                f"got {tuple(value.shape)}"
+            )
+    if not ((optimality >= 0) & (optimality <= 1)).all():
+        raise ValueError("diffusion_nft: optimality must lie in [0, 1]")
+
+    dtype = torch.promote_types(velocity.dtype, torch.float32)  # low-precision inputs: error in fp32
+    v = velocity.to(dtype)
+    v_old = old_velocity.detach().to(dtype)
+    x_t, x0 = x_t.to(dtype), x0.to(dtype)
+    r = optimality.to(dtype)
+    t_b = t.to(dtype).view(-1, *([1] * (v.dim() - 1)))
+
+    v_plus = beta * v + (1.0 - beta) * v_old
+    v_minus = (1.0 + beta) * v_old - beta * v
+    positive = _adaptive_x0_error(x_t - t_b * v_plus - x0, min_weight)
+    negative = _adaptive_x0_error(x_t - t_b * v_minus - x0, min_weight)
+    policy = scale * (r * positive + (1.0 - r) * negative) / beta
+    loss = policy.mean()
+    velocity_kl = None
+    if reference_velocity is not None:
+        velocity_kl = (v - reference_velocity.detach().to(dtype)).square().flatten(1).mean(dim=1).mean()
+        if kl_coef > 0:
+            loss = loss + kl_coef * velocity_kl
+    with torch.no_grad():
+        metrics = {
+            "nft_positive_loss": positive.detach().mean(),
+            "nft_negative_loss": negative.detach().mean(),
+            "nft_optimality_mean": r.mean(),
+            "nft_policy_gap": (v.detach() - v_old).square().mean(),
+        }
+        if velocity_kl is not None:
+            metrics["nft_velocity_kl"] = velocity_kl.detach()
+    return LossOutput(loss, metrics)
+
+
+def _adaptive_x0_error(error: Tensor, min_weight: float) -> Tensor:
+    """Per sample mean(error^2) / w, w = mean|error| detached and at least min_weight: `[B]`."""
+    error = error.flatten(1)
+    weight = error.detach().abs().mean(dim=1).clamp(min=min_weight)
+    return error.square().mean(dim=1) / weight
 
 
 def _bool_mask(mask: Tensor | None, like: Tensor) -> Tensor:

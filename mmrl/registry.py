@@ -152,8 +152,13 @@ SAMPLERS: Registry[type] = Registry("sampler", "prompt/question samplers")
 LOSSES: Registry[Callable] = Registry(
     "loss",
     "policy losses (pure functions on tensors, each returning `mmrl.losses.LossOutput`)",
-    # log-probs of the sampled actions now and at sampling, their advantages, a mask
-    kinds=(EntryKind("policy", ("logp", "old_logp", "advantages", "mask"), "loss"),),
+    kinds=(
+        # log-probs of the sampled actions now and at sampling, their advantages, a mask
+        EntryKind("policy", ("logp", "old_logp", "advantages", "mask"), "loss"),
+        # velocities of the trained and the old policy at noised clean samples x_t of x0 at noise
+        # level t, and each sample's optimality in [0, 1]
+        EntryKind("forward_process", ("velocity", "old_velocity", "x_t", "x0", "t", "optimality"), "loss"),
+    ),
 )
 PRECISIONS: Registry[Callable] = Registry("precision", "weight precisions for exploration rollouts")
 REWARDS: Registry[Callable] = Registry("reward", "reward functions")
