@@ -151,7 +151,8 @@ ADVANTAGES: Registry[Callable] = Registry(
 SAMPLERS: Registry[type] = Registry("sampler", "prompt/question samplers")
 LOSSES: Registry[Callable] = Registry(
     "loss",
-    "policy losses (pure functions on tensors, each returning `mmrl.losses.LossOutput`)",
+    "losses: policy losses on log-probs and forward-process losses on velocities (pure functions on "
+    "tensors, each returning `mmrl.losses.LossOutput`)",
     kinds=(
         # log-probs of the sampled actions now and at sampling, their advantages, a mask
         EntryKind("policy", ("logp", "old_logp", "advantages", "mask"), "loss"),

@@ -279,7 +279,9 @@ def test_fp4_exploration_keeps_best_and_worst_and_replays(model_dir, tmp_path):
 
 @pytest.mark.parametrize("sampler", SAMPLERS.names())
 def test_every_sampler_trains_two_steps(model_dir, tmp_path, monkeypatch, sampler):
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
+    )
     small = ["rollout.steps=4", "rollout.split_steps=[0,2]", "steps=2", "checkpoint_every=2"]
     trainer = trainer_for(model_dir, tmp_path, f"train.sampler={sampler}", *small)
     trainer.train()
@@ -350,7 +352,9 @@ def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monke
         return out._replace(log_prob=out.log_prob * float("nan")) if calls["n"] > 1 else out
 
     monkeypatch.setattr("diffusion_rl.trainer.step_log_probs", poisoned)
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
+    )
     with pytest.raises(TrainingStopped, match="2 steps in a row"):
         trainer.train()
     stopped = json.loads((tmp_path / "stopped.json").read_text())
@@ -361,7 +365,9 @@ def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monke
 
 
 def test_reward_server_down_stops_cleanly(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
+    )
     code = main(
         [
             "train",
@@ -441,7 +447,9 @@ def test_periodic_evaluation_and_comparison_plot(model_dir, tmp_path):
 
 
 def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
+    )
     common = [
         "rollout.prompts_per_step=1",
         "rollout.steps=4",

@@ -192,6 +192,63 @@ def test_fp4_exploration_keeps_exactly_the_best_and_the_worst_leaves(flow_dir, t
         assert {full.nodes[leaf].state["key"] for leaf in full.leaves()} == expected
 
 
+# ----- DiffusionNFT (diffusion_rl/nft_trainer.py) --------------------------------------------------
+
+
+@pytest.mark.parametrize("reversed_rewards", [False, True])
+def test_diffusion_nft_update_pulls_the_model_towards_rewarded_samples(
+    flow_dir, tmp_path, monkeypatch, reversed_rewards
+):
+    """The first half of every group scores 1, the second 0 (or the reverse): after one update the
+    model's clean-sample error x_t - t v - x0 at the noised samples it trained on falls for the rewarded
+    samples and rises for the others."""
+    from diffusion_rl import nft_trainer as module
+
+    config = load_config(
+        "diffusion/nft",
+        [
+            f"model.path={flow_dir}",
+            f"output_dir={tmp_path}",
+            "progress=false",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "rollout.steps=4",
+            "train.lr=1e-4",
+            "train.timesteps_per_sample=4",
+        ],
+    )
+    trainer = module.DiffusionNFTTrainer(config)
+    trainer.prepare_run_dir()
+    trainer.seed_everything()
+    trainer.setup()
+    trainer.start_run_dir()
+    seen = {}
+    rollout_trees = module.rollout_trees
+
+    def spy(*args, **kwargs):
+        out = rollout_trees(*args, **kwargs)
+        seen["cond"], seen["clean"] = args[1], out[1].clone()
+        return out
+
+    first_half = torch.tensor([1.0, 1.0, 0.0, 0.0]).repeat(2)
+    rewards = 1 - first_half if reversed_rewards else first_half
+    monkeypatch.setattr(module, "rollout_trees", spy)
+    trainer.reward_fn = lambda images, prompts: rewards
+    before = copy.deepcopy(trainer.model)
+    trainer.train_step(0)
+    x0, t, x_t, rows = trainer.noised(seen["clean"], list(range(8)), step=0)  # slots 0, 1 x 4 samples
+    cond = seen["cond"][(rows // 4).tolist()]
+
+    def error(model):
+        with torch.no_grad():
+            v = trainer.pipe.velocity(x_t, t, cond, denoiser=model)
+        per_row = (x_t - t.view(-1, 1, 1, 1) * v - x0).square().flatten(1).mean(1)
+        return torch.zeros(8).index_add_(0, rows, per_row)
+
+    delta = error(trainer.model) - error(before)
+    assert_direction(-delta, torch.sign(rewards - 0.5))
+
+
 # ----- tool GRPO (vlm_rl/trainer.py) -------------------------------------------------------------
 
 

@@ -238,6 +238,12 @@ def setup_time_check(config):
 
         pipe = shipped_pipeline(config.model.path)
         check_rollout_size(config, pipe, len(load_prompts(config.prompt_file)), PROCESSES, CPU)
+    elif config.trainer == "diffusion_nft":
+        from diffusion_rl.diffusion_trainer import load_prompts
+        from diffusion_rl.nft_config import check_nft_size
+
+        pipe = shipped_pipeline(config.model.path)
+        check_nft_size(config, pipe, len(load_prompts(config.prompt_file)), PROCESSES, CPU)
     elif config.trainer == "tool_grpo":
         from vlm_rl.config import check_rollout_size
 
@@ -256,4 +262,4 @@ def test_every_shipped_recipe_passes(monkeypatch):
     monkeypatch.setenv(LIMIT_ENV, "8")
     configs = [load_config(name) for name in list_recipes()]
     checked = {config.trainer for config in configs if setup_time_check(config)}
-    assert checked == {"tiny_grpo", "branch_grpo", "tool_grpo", "vla_habc"}
+    assert checked == {"tiny_grpo", "branch_grpo", "diffusion_nft", "tool_grpo", "vla_habc"}

@@ -1,0 +1,147 @@
+"""The `diffusion_nft` config (DiffusionNFT: forward-process RL on clean samples) and its size check.
+
+The model, reward and evaluation sections are BranchGRPO's (`diffusion_rl.config`); rollouts are
+groups of samples per prompt from any solver, and the update has its own knobs (`beta`, the old
+policy's decay schedule, timesteps per sample)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
+from diffusion_rl.models import FlowPipeline
+from mmrl.advantages import check_group_size
+from mmrl.config import BaseConfig, option
+from mmrl.resources import check_enough_prompts, check_memory
+
+# latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
+FORWARD_LATENTS = 64
+TRAINING_LATENTS = 512  # the same with gradients
+
+
+@dataclass
+class NFTRolloutConfig:
+    prompts_per_step: int = option(4, "prompts per step on each process", min=1)
+    group_size: int = option(16, "samples per prompt (one group of the advantage)", min=2, max=1024)
+    steps: int = option(10, "denoising steps", min=1)
+    image_size: int | None = option(
+        None,
+        "image side in pixels (null: the model's own size)",
+        min=1,
+        max=4096,
+        why="models draw up to 2048 px",
+    )
+    solver: Literal["ode", "sde"] = option(
+        "ode", "ode: deterministic (seeded initial noise only); sde: Flow-GRPO's stochastic steps"
+    )
+    noise_level: float = option(0.7, "Flow-GRPO a of the sde solver", min=0.0)
+    ode_stride: int = option(
+        1, "ode solver: steps taken this many at a time, second-order; 1: one Euler step each", min=1
+    )
+    guidance_scale: float = option(
+        1.0, "classifier-free guidance while sampling (1: none; the update never uses guidance)", min=1.0
+    )
+
+
+@dataclass
+class NFTTrainConfig:
+    lr: float = option(1e-4, "AdamW learning rate", min=0.0)
+    beta: float = option(
+        1.0, "strength of the implicit positive / negative policies around the old one", min=1e-6
+    )
+    advantage: str = option(
+        "grpo",
+        "group advantage estimator whose values map to optimality r = clip(A, -C, C) / 2C + 1/2",
+        registry="advantage",
+        kinds=("group",),
+    )
+    adv_clip: float = option(5.0, "C: advantages clipped to [-C, C] before the map to [0, 1]", min=1e-6)
+    loss: str = option(
+        "diffusion_nft",
+        "forward-process loss on the clean samples (see `mmrl list`)",
+        registry="loss",
+        kinds=("forward_process",),
+    )
+    loss_scale: float = option(
+        1.0, "multiplies the policy term (DiffusionNFT's reference code uses the advantage clip)", min=0.0
+    )
+    timesteps_per_sample: int = option(
+        2,
+        "noise levels t ~ U(0, 1) drawn per clean sample and update",
+        min=1,
+        max=64,
+        why="each costs a forward",
+    )
+    old_decay_start: int = option(
+        0, "the old policy equals the trained one (decay 0) for this many steps", min=0
+    )
+    old_decay_rate: float = option(0.001, "after that, its EMA decay grows this much per step", min=0.0)
+    old_decay_max: float = option(0.5, "up to this decay", min=0.0, max=0.9999)
+    kl_coef: float = option(
+        0.0, "weight of the squared velocity difference to the frozen start model", min=0.0
+    )
+    max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    minibatches: int = option(1, "optimizer steps per iteration, each on a shuffled share", min=1)
+    micro_batch: int = option(16, "noised samples per forward/backward", min=1)
+    sampler: str = option(
+        "uniform",
+        "prompt sampler (dynamic_filter and beta_thompson learn from every prompt's rewards)",
+        registry="sampler",
+    )
+    sampler_options: dict = option(
+        {}, "keyword options of the sampler, e.g. {success_threshold: 0.7} on the reward's scale"
+    )
+    nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
+    ema_decay: float = option(
+        0.0, "EMA of the trained weights, used to evaluate and save the result (0: off)", min=0.0, max=0.9999
+    )
+
+
+@dataclass
+class DiffusionNFTConfig(BaseConfig):
+    trainer: str = option("diffusion_nft", "trainer name", registry="trainer")
+    prompt_file: str | None = option(None, "text file with one prompt per line (null: the shapes prompts)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: NFTRolloutConfig = field(default_factory=NFTRolloutConfig)
+    train: NFTTrainConfig = field(default_factory=NFTTrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        check_group_size(self.train.advantage, self.rollout.group_size, "rollout.group_size")
+
+
+def check_nft_size(
+    cfg: DiffusionNFTConfig, pipe: FlowPipeline, prompts: int, processes: int, device: torch.device
+) -> None:
+    """Refuse a step that would draw a prompt twice or that cannot fit on `device`: a step samples
+    every group at once (twice the rows with guidance) and keeps its clean latents and their noised
+    copies; each update runs `train.micro_batch` noised samples with gradients."""
+    r, t = cfg.rollout, cfg.train
+    source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
+    check_enough_prompts(
+        "rollout.prompts_per_step",
+        r.prompts_per_step,
+        processes,
+        prompts,
+        f"the {prompts} {source}",
+        "lower rollout.prompts_per_step or give a longer prompt_file",
+    )
+    latent = 4 * math.prod(pipe.latent_shape())
+    side = pipe.latent_shape()[-1] * pipe.vae_scale
+    rows = r.prompts_per_step * r.group_size
+    guided = 2 if r.guidance_scale != 1.0 else 1
+    kept = rows * (1 + 3 * t.timesteps_per_sample)  # clean latents; noised latents, noise, old velocity
+    need = latent * (kept + guided * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
+    check_memory(
+        need + 2 * t.micro_batch * TRAINING_LATENTS * latent,
+        f"a step of {r.prompts_per_step} prompts x {r.group_size} samples of {side}x{side} px, "
+        f"{t.timesteps_per_sample} noise levels each, and updates of {t.micro_batch} noised samples "
+        "(rollout.prompts_per_step x rollout.group_size, rollout.image_size, train.micro_batch)",
+        ["rollout.prompts_per_step", "rollout.group_size", "rollout.image_size", "train.micro_batch"],
+        device,
+    )

@@ -1,0 +1,224 @@
+"""DiffusionNFT: online RL for flow models on the forward process, not on sampling likelihoods.
+
+One training step, read top to bottom in `DiffusionNFTTrainer.train_step`:
+
+1. the sampler (`train.sampler`) picks prompts;
+2. the old policy (the data-collecting one) draws `rollout.group_size` clean samples per prompt with
+   any solver (`rollout.solver`: the ODE, `ode_stride` included, or Flow-GRPO's SDE): no log-probs are
+   kept, only the clean latents;
+3. the samples are rewarded; the group advantage (`train.advantage`) maps to an optimality
+   r = clip(A, -C, C) / 2C + 1/2 in [0, 1];
+4. each clean sample x0 is noised at `train.timesteps_per_sample` levels t ~ U(0, 1),
+   x_t = (1 - t) x0 + t eps, and the loss (`train.loss`, `mmrl.losses.diffusion_nft`) pulls the implicit
+   positive policy (old + beta (trained - old)) towards x0 with weight r and the implicit negative one
+   (old - beta (trained - old)) with weight 1 - r; guidance is never used in training;
+5. the old policy moves towards the trained one by an EMA whose decay follows
+   `train.old_decay_start / old_decay_rate / old_decay_max`.
+
+Every draw is keyed by (seed, step, ...), so a resumed run repeats exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from diffusion_rl.branch_rollout import TreePlan, rollout_trees
+from diffusion_rl.config import RolloutConfig
+from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly
+from diffusion_rl.models import Conditioning
+from diffusion_rl.nft_config import DiffusionNFTConfig, check_nft_size
+from diffusion_rl.sampling import save_grid
+from mmrl.losses import nft_optimality
+from mmrl.noise import NoiseKey, keyed_rand_batch, keyed_randn_batch
+from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
+
+TRAIN_STREAM = 1 << 32  # streams of the update's noise: above any denoising step index of a rollout
+
+
+def old_policy_decay(step: int, start: int, rate: float, maximum: float) -> float:
+    """The EMA decay of the old policy after `step`: 0 (old = trained) before `start`, then growing by
+    `rate` per step up to `maximum`."""
+    return 0.0 if step < start else min((step - start) * rate, maximum)
+
+
+@TRAINERS.register("diffusion_nft")
+class DiffusionNFTTrainer(DiffusionTrainer):
+    config_class = DiffusionNFTConfig
+    config: DiffusionNFTConfig
+
+    def setup(self) -> None:
+        super().setup()
+        cfg = self.config
+        r = cfg.rollout
+        self.advantage_fn = ADVANTAGES.get(cfg.train.advantage)
+        self.loss_fn = LOSSES.get(cfg.train.loss)
+        # a group is a depth-1 tree whose children start from their own initial noise
+        self.sampling = RolloutConfig(
+            prompts_per_step=r.prompts_per_step,
+            steps=r.steps,
+            guidance_scale=r.guidance_scale,
+            sde="flow_grpo",
+            noise_level=r.noise_level,
+            split_steps=[0],
+            branch_factor=r.group_size,
+            shared_initial_noise=False,
+            ode_stride=r.ode_stride if r.solver == "ode" else 1,
+        )
+        self.plan = TreePlan(r.steps, [0], r.group_size, [r.solver == "sde"] * r.steps)
+        self.old_policy = [p.detach().clone() for p in self.trained_params]
+
+    def check_size(self) -> None:
+        check_nft_size(
+            self.config, self.pipe, len(self.prompts), self.accelerator.num_processes, self.accelerator.device
+        )
+
+    def trainer_state(self) -> dict[str, Any]:
+        return super().trainer_state() | {"old_policy": self.old_policy}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        super().load_trainer_state(state)
+        for old, saved in zip(self.old_policy, state["old_policy"], strict=True):
+            old.copy_(saved)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.config
+        started = time.perf_counter()
+        chosen, slots, prompts = self.pick_prompts()
+        cond = self.pipe.encode_prompts(prompts)
+        uncond = self.uncond_one[[0] * len(prompts)]
+
+        with self.swapped_weights(self.old_policy):  # the data come from the old policy
+            trees, clean, evaluations = rollout_trees(
+                self.pipe, cond, uncond, slots, self.plan, self.sampling, cfg.seed, step
+            )
+        rewards, images = self.score(trees, clean, prompts)
+        if not torch.isfinite(rewards).all():
+            self.skip_step("non-finite reward", cfg.train.nan_patience)
+
+        everyone = self.gather_rewards(slots, rewards)
+        keep = self.sampler.update(chosen, everyone.rewards, everyone.groups)
+        result = self.advantage_fn(everyone.rewards, everyone.groups)
+        advantages = (result.values * result.loss_mask)[everyone.offset : everyone.offset + len(rewards)]
+        optimality = nft_optimality(advantages, cfg.train.adv_clip)
+        group = cfg.rollout.group_size
+        trained = [i for i in range(len(rewards)) if keep[slots[i // group]]]  # the sampler may drop groups
+        sample_ids = [slots[i // group] * group + i % group for i in trained]
+
+        metrics: dict[str, Any] = {}
+        if trained:
+            samples = (clean[trained], cond[[i // group for i in trained]], optimality[trained], sample_ids)
+            metrics.update(self.optimise(*samples, step))
+        decay = old_policy_decay(
+            step, cfg.train.old_decay_start, cfg.train.old_decay_rate, cfg.train.old_decay_max
+        )
+        self.update_old_policy(decay)
+        metrics.update(
+            reward=rewards.mean(),
+            reward_std=rewards.std(),
+            optimality_mean=optimality.mean(),
+            nfe=evaluations / len(trees),
+            trained_samples=len(trained),
+            old_policy_decay=decay,
+            skipped_steps=self.skipped_steps,
+            step_seconds=time.perf_counter() - started,  # wall-clock of the rollout, reward and update
+        )
+        if self.is_main and step % 10 == 0:
+            save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")
+        return metrics
+
+    def noised(
+        self, clean: torch.Tensor, sample_ids: list[int], step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x0, t, x_t, rows): every clean sample at `train.timesteps_per_sample` noise levels, the level
+        and the noise keyed by (seed, step, sample id), so a resume draws them again."""
+        seed, per_sample = self.config.seed, self.config.train.timesteps_per_sample
+        keys = [
+            NoiseKey(seed, step, sample, 0, TRAIN_STREAM + 2 * j)
+            for sample in sample_ids
+            for j in range(per_sample)
+        ]
+        t = keyed_rand_batch((), keys, device=clean.device)
+        eps_keys = [NoiseKey(k.seed, k.step, k.prompt, 0, k.stream + 1) for k in keys]
+        eps = keyed_randn_batch(self.pipe.latent_shape(), eps_keys, device=clean.device)
+        x0 = clean.repeat_interleave(per_sample, dim=0)
+        shape = (-1, *([1] * (x0.dim() - 1)))
+        x_t = (1 - t.view(shape)) * x0 + t.view(shape) * eps
+        rows = torch.arange(len(clean), device=clean.device).repeat_interleave(per_sample)
+        return x0, t, x_t, rows
+
+    @torch.no_grad()
+    def velocities(
+        self, denoiser: torch.nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """Unguided velocities of `denoiser` at every noised sample, a micro-batch at a time."""
+        size = self.config.train.micro_batch
+        return torch.cat(
+            [
+                self.pipe.velocity(x_t[i : i + size], t[i : i + size], cond[i : i + size], denoiser=denoiser)
+                for i in range(0, len(x_t), size)
+            ]
+        )
+
+    def optimise(
+        self,
+        clean: torch.Tensor,
+        cond: Conditioning,
+        optimality: torch.Tensor,
+        sample_ids: list[int],
+        step: int,
+    ) -> dict[str, Any]:
+        """The forward-process loss over every noised sample: the old policy's (and the reference's)
+        velocities first, then shuffled (keyed) mini-batches of `train.micro_batch`."""
+        cfg = self.config.train
+        x0, t, x_t, rows = self.noised(clean, sample_ids, step)
+        cond = cond[rows.tolist()]
+        optimality = optimality.to(x0.device)[rows]
+        with self.swapped_weights(self.old_policy):
+            old_velocity = self.velocities(self.pipe.denoiser, x_t, t, cond)
+        reference = None if self.reference is None else self.velocities(self.reference, x_t, t, cond)
+        order = torch.randperm(
+            len(x0), generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        )
+        minibatches = [part for part in split_evenly(order.tolist(), cfg.minibatches) if part]
+        stats, grad_norms = [], []
+        for minibatch in minibatches:
+            self.optimizer.zero_grad(set_to_none=True)
+            for start in range(0, len(minibatch), cfg.micro_batch):
+                index = minibatch[start : start + cfg.micro_batch]
+                velocity = self.pipe.velocity(x_t[index], t[index], cond[index], denoiser=self.model)
+                out = self.loss_fn(
+                    velocity,
+                    old_velocity[index],
+                    x_t[index],
+                    x0[index],
+                    t[index],
+                    optimality[index],
+                    beta=cfg.beta,
+                    scale=cfg.loss_scale,
+                    reference_velocity=None if reference is None else reference[index],
+                    kl_coef=cfg.kl_coef,
+                )
+                if not self.all_finite(out.loss):
+                    self.skip_step("non-finite loss", cfg.nan_patience)
+                self.backward(out.loss * len(index) / len(minibatch))
+                stats.append((len(index), out.metrics, float(out.loss.detach())))
+            grad_norms.append(float(self.apply_gradients(cfg.max_grad_norm, cfg.nan_patience)))
+            self.update_ema()
+        total = sum(n for n, _, _ in stats)
+        merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
+        return {
+            "loss": sum(n * value for n, _, value in stats) / total,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            **merged,
+        }
+
+    def update_old_policy(self, decay: float) -> None:
+        """old <- decay * old + (1 - decay) * trained (decay 0: the old policy is the trained one)."""
+        with torch.no_grad():
+            for old, p in zip(self.old_policy, self.trained_params, strict=True):
+                old.lerp_(p.detach(), 1 - decay)

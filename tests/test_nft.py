@@ -1,0 +1,203 @@
+"""DiffusionNFT trainer on a very small flow model: sampling by the old policy with any solver, the
+noised training samples, the old policy's EMA, exact resume, faults and config errors."""
+
+import json
+
+import pytest
+import torch
+
+from diffusion_rl.branch_rollout import rollout_trees
+from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.nft_trainer import DiffusionNFTTrainer, old_policy_decay
+from diffusion_rl.shapes import vocabulary
+from mmrl.cli import load_plugins
+from mmrl.config import ConfigError, load_config
+from mmrl.trainer import TrainingStopped
+
+load_plugins()
+
+SMALL = TinyFlowSpec(
+    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
+)
+NO_EVAL = {"heldout_alignment": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_flow")
+    FlowPipeline.tiny(vocabulary(), SMALL).save_pretrained(path)
+    return path
+
+
+def trainer_for(model_dir, run_dir, *overrides, setup=True):
+    config = load_config(
+        "diffusion/nft",
+        [
+            f"model.path={model_dir}",
+            f"output_dir={run_dir}",
+            "progress=false",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "rollout.steps=4",
+            "reward.name=jpeg_incompressibility",
+            "eval.prompts=2",
+            "eval.steps=2",
+            *overrides,
+        ],
+    )
+    trainer = DiffusionNFTTrainer(config)
+    if setup:
+        trainer.prepare_run_dir()
+        trainer.seed_everything()
+        trainer.setup()
+        trainer.start_run_dir()
+    return trainer
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "overrides, nfe",
+    [
+        ([], 4 * 4),  # 4 Euler steps per sample, 4 samples per prompt
+        (["rollout.ode_stride=2"], 2 * 4),
+        (["rollout.solver=sde"], 4 * 4),
+        (["rollout.guidance_scale=2.0"], 4 * 4),
+    ],
+)
+def test_solvers_sample_groups_and_train(model_dir, tmp_path, overrides, nfe):
+    trainer = trainer_for(model_dir, tmp_path, "train.lr=1e-3", *overrides)
+    before = [p.detach().clone() for p in trainer.trained_params]
+    metrics = trainer.train_step(0)
+    assert metrics["nfe"] == nfe and metrics["trained_samples"] == 8
+    assert 0.0 <= float(metrics["optimality_mean"]) <= 1.0 and metrics["loss"] > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trained_params, strict=True))
+
+
+def test_samples_come_from_the_old_policy(model_dir, tmp_path, monkeypatch):
+    """With the old policy away from the trained weights, a step samples with the old policy's weights,
+    and the trained weights are back in place for the update."""
+    from diffusion_rl import nft_trainer as module
+
+    trainer = trainer_for(model_dir, tmp_path)
+    with torch.no_grad():
+        for old in trainer.old_policy:
+            old.add_(0.05 * torch.randn_like(old))
+    old_before = [o.clone() for o in trainer.old_policy]
+    live = [p.detach().clone() for p in trainer.trained_params]
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen["weights"] = [p.detach().clone() for p in trainer.trained_params]
+        return rollout_trees(*args, **kwargs)
+
+    def update(*args):
+        seen["update"] = [p.detach().clone() for p in trainer.trained_params]
+        return {}
+
+    monkeypatch.setattr(module, "rollout_trees", spy)
+    monkeypatch.setattr(trainer, "optimise", update)
+    trainer.train_step(0)
+    assert all(torch.equal(w, o) for w, o in zip(seen["weights"], old_before, strict=True))
+    assert all(torch.equal(w, p) for w, p in zip(seen["update"], live, strict=True))
+
+
+def test_old_policy_decay_schedule_and_update(model_dir, tmp_path):
+    assert old_policy_decay(0, 0, 0.001, 0.5) == 0.0
+    assert old_policy_decay(3, 5, 0.1, 0.5) == 0.0
+    assert old_policy_decay(7, 5, 0.1, 0.5) == pytest.approx(0.2)
+    assert old_policy_decay(100, 5, 0.1, 0.5) == 0.5
+    trainer = trainer_for(model_dir, tmp_path, "train.lr=1e-3")
+    trainer.train_step(0)  # decay 0: the old policy becomes the trained weights
+    assert all(torch.equal(o, p) for o, p in zip(trainer.old_policy, trainer.trained_params, strict=True))
+    old = [o.clone() for o in trainer.old_policy]
+    with torch.no_grad():
+        for p in trainer.trained_params:
+            p.add_(1.0)
+    trainer.update_old_policy(0.25)
+    for o, before, p in zip(trainer.old_policy, old, trainer.trained_params, strict=True):
+        torch.testing.assert_close(o, 0.25 * before + 0.75 * p.detach())
+
+
+def test_noised_samples_are_keyed_and_on_the_flow_path(model_dir, tmp_path):
+    trainer = trainer_for(model_dir, tmp_path, "train.timesteps_per_sample=3")
+    clean = torch.randn(2, *trainer.pipe.latent_shape())
+    x0, t, x_t, rows = trainer.noised(clean, [5, 9], step=4)
+    assert x0.shape[0] == t.shape[0] == x_t.shape[0] == 6 and rows.tolist() == [0, 0, 0, 1, 1, 1]
+    assert ((t >= 0) & (t < 1)).all() and len(set(t.tolist())) == 6
+    eps = (x_t - (1 - t.view(-1, 1, 1, 1)) * x0) / t.view(-1, 1, 1, 1)
+    assert eps.std() == pytest.approx(1.0, abs=0.2)
+    again = trainer.noised(clean[1:], [9], step=4)  # a sample's draws depend on its id, not the batch
+    torch.testing.assert_close(again[2], x_t[3:])
+    assert not torch.equal(trainer.noised(clean, [5, 9], step=5)[2], x_t)
+
+
+def test_groups_the_sampler_drops_are_not_trained(model_dir, tmp_path, monkeypatch):
+    trainer = trainer_for(model_dir, tmp_path, "train.sampler=dynamic_filter")
+    trainer.reward_fn = lambda images, prompts: torch.zeros(len(images))  # equal rewards: every group dropped
+    metrics = trainer.train_step(0)
+    assert metrics["trained_samples"] == 0 and "loss" not in metrics
+
+
+def test_non_finite_loss_skips_then_stops_with_checkpoint(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: NO_EVAL)
+    trainer = trainer_for(
+        model_dir, tmp_path, "steps=10", "train.nan_patience=2", "checkpoint_every=1", setup=False
+    )
+    from mmrl.losses import diffusion_nft
+
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        out = diffusion_nft(*args, **kwargs)
+        return out._replace(loss=out.loss * float("nan")) if calls["n"] > 1 else out
+
+    trainer.setup = lambda original=trainer.setup: (original(), setattr(trainer, "loss_fn", poisoned))
+    with pytest.raises(TrainingStopped, match="2 steps in a row"):
+        trainer.train()
+    assert json.loads((tmp_path / "stopped.json").read_text())["step"] == 2
+    assert (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").is_file()
+
+
+def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: NO_EVAL)
+    common = [
+        "train.minibatches=2",
+        "train.ema_decay=0.5",
+        "train.old_decay_rate=0.2",
+        "train.kl_coef=0.01",
+        "train.sampler=beta_thompson",
+        "checkpoint_every=2",
+    ]
+
+    def run(run_dir, steps, *extra):
+        trainer_for(model_dir, run_dir, *common, f"steps={steps}", *extra, setup=False).train()
+        rows = [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows_of(run_dir)]
+        return rows, FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+
+    straight_rows, straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "stopped", 2)
+    resumed_rows, resumed = run(tmp_path / "stopped", 4, "resume=true")
+    assert resumed_rows == straight_rows
+    assert [row["old_policy_decay"] for row in straight_rows] == pytest.approx([0.0, 0.2, 0.4, 0.5])
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.loss=ppo_clip"], "policy loss .* but this trainer needs a forward_process loss"),
+        (["train.advantage=tree_depthwise"], "needs a group advantage"),
+        (["train.advantage=mc_grpo", "rollout.group_size=4"], "rollout.group_size"),
+        (["rollout.solver=euler"], "rollout.solver"),
+        (["train.old_decay_max=1.5"], "train.old_decay_max"),
+        (["rollout.prompts_per_step=10000"], "rollout.prompts_per_step"),
+        (["model.path=/nonexistent/model"], "mmrl pretrain diffusion"),
+    ],
+)
+def test_bad_input_is_one_clear_error(model_dir, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        trainer_for(model_dir, tmp_path, *overrides)
