@@ -17,7 +17,8 @@ from mmrl.cli import load_plugins, main
 from mmrl.noise import NoiseKey
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
 from vlm_rl.models import Segment, TinyVLMSpec, VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, prompt_segment, rollout
+from vlm_rl.rollout import ToolRolloutConfig, TreeRolloutConfig, prompt_segment, rollout
+from vlm_rl.tree_rollout import tree_rollout
 from vlm_rl.vllm_engine import vllm_available
 
 load_plugins()
@@ -120,6 +121,57 @@ def test_shared_prefixes_are_checked_and_prefilled_from_the_cache(policy_and_eng
         engine.generate_turn(rows, 8, prefix_groups=[0, 0, 0, 0, 1])
 
 
+class CountedTurns:
+    """A turn generator that records, for each call, its rows' lengths, prefix ids and prefill tokens."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def generate_turn(self, sequences, *args, **kwargs):
+        out = self.inner.generate_turn(sequences, *args, **kwargs)
+        self.calls.append(([len(s) for s in sequences], list(kwargs["prefix_groups"]), out.prefill_tokens))
+        return out
+
+
+@needs_vllm
+def test_tree_rollouts_share_prefixes_through_the_cache(policy_and_engine):
+    """A tree rollout on vLLM: siblings sample apart from their shared prefix, log-probs are the policy's,
+    and the prefix cache shares key/values: rows under one prefix id share all but the blocks past their
+    last full one, and a later wave finds its parents' turns cached (so it prefills less than the
+    distinct sequences it continues, which is what the transformers backend prefills)."""
+    policy, engine = policy_and_engine
+    questions = [QuestionSet(DATA, "heldout")[i] for i in range(2)]
+    # the tiny untrained model rarely ends a turn: a split every 4 tokens gives three waves
+    tree = TreeRolloutConfig(enabled=True, branching=[2, 2], segment_tokens=4)
+    cfg = ToolRolloutConfig(max_new_tokens=12, temperature=0.7, tree=tree)
+    engine.llm.reset_prefix_cache()
+    counted = CountedTurns(engine)
+    out = tree_rollout(policy, questions, 4, cfg, 0, 1, [0, 1], engine=counted)
+    assert len(out.leaves) == 8 and len({tuple(t.sequence.token_ids) for t in out.leaves}) == 8
+    assert out.prefill_tokens == sum(prefill for _, _, prefill in counted.calls)
+    assert len(counted.calls) >= 2
+    for wave, (lengths, groups, prefill) in enumerate(counted.calls):
+        assert 0 < prefill < sum(lengths)
+        distinct = {group: length for length, group in zip(lengths, groups, strict=True)}
+        assert wave == 0 or prefill < sum(distinct.values())
+    batch = policy.collate([t.sequence for t in out.leaves], "right")
+    mask = torch.zeros(batch["input_ids"].shape, dtype=torch.bool)
+    for row, t in enumerate(out.leaves):
+        mask[row, : len(t.loss_mask)] = torch.tensor(t.loss_mask)
+    with torch.no_grad():
+        scores = policy.token_log_probs(batch, mask, temperature=0.7)
+    for row, t in enumerate(out.leaves):
+        torch.testing.assert_close(
+            scores[row, : len(t.loss_mask)][mask[row, : len(t.loss_mask)]],
+            torch.tensor(t.old_log_probs)[torch.tensor(t.loss_mask)],
+            atol=1e-4,
+            rtol=0,
+        )
+    again = tree_rollout(policy, questions, 4, cfg, 0, 1, [0, 1], engine=engine)  # all of it cached now
+    assert [t.sequence.token_ids for t in again.leaves] == [t.sequence.token_ids for t in out.leaves]
+    assert again.prefill_tokens < out.prefill_tokens
+
+
 @needs_vllm
 def test_new_weights_reach_the_engine(checkpoint, policy_and_engine, zoomed_conversations):
     policy, engine = policy_and_engine  # one engine per process: vLLM keeps global state
@@ -189,6 +241,42 @@ def test_tool_grpo_trains_with_vllm_rollouts(checkpoint, tmp_path):
     # one optimizer step per batch: when the engine samples from the current policy, PPO's ratio is 1
     assert all(abs(row["ratio_mean"] - 1.0) < 1e-3 and row["ratio_max"] < 1.01 for row in steps)
     assert "after" in json.loads((tmp_path / "eval.json").read_text())
+
+
+@needs_vllm
+def test_tool_grpo_tree_trains_with_vllm_rollouts(checkpoint, tmp_path):
+    args = [
+        "train",
+        "vlm/tool_grpo_tree",
+        f"output_dir={tmp_path}",
+        f"model.path={checkpoint}",
+        "rollout.backend=vllm",
+        "rollout.vllm_kv_cache_gib=0.25",
+        "rollout.max_new_tokens=8",
+        "rollout.tree.branching=[2,2]",
+        "rollout.tree.segment_tokens=4",
+        "steps=2",
+        "eval_every=0",
+        "train.questions_per_step=2",
+        "train.group_size=4",
+        "train.lr=1e-3",
+        "train.minibatches=1",
+        "data.heldout_size=4",
+        "data.train_size=32",
+        "eval_modes=[never]",
+        "progress=false",
+    ]
+    done = run_cli(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "accuracy" in row]
+    assert len(steps) == 2
+    assert all(
+        row["tree_nodes"] > 1 and row["prefill_tokens"] > 0 and row["decoded_tokens"] > 0 for row in steps
+    )
+    # the shared-prefix scoring of the update gives the engine's log-probs back: PPO's ratio is 1
+    assert all(abs(row["ratio_mean"] - 1.0) < 1e-3 and row["ratio_max"] < 1.01 for row in steps)
 
 
 @needs_vllm

