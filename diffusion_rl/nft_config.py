@@ -15,7 +15,7 @@ import torch
 from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
 from diffusion_rl.models import FlowPipeline
 from mmrl.advantages import check_group_size
-from mmrl.config import BaseConfig, option
+from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.resources import check_enough_prompts, check_memory
 
 # latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
@@ -45,6 +45,23 @@ class NFTRolloutConfig:
     guidance_scale: float = option(
         1.0, "classifier-free guidance while sampling (1: none; the update never uses guidance)", min=1.0
     )
+
+
+@dataclass
+class NFTExploreConfig:
+    """Sol-RL: a large pool explored in low precision, its best and worst regenerated in full precision."""
+
+    enabled: bool = option(False, "explore a candidate pool in low precision and train on its extremes")
+    precision: str = option("nvfp4-emulated", "precision of the exploration pass", registry="precision")
+    pool: int = option(
+        64,
+        "candidates per prompt explored (rollout.group_size of them are kept)",
+        min=2,
+        max=4096,
+        why="pool",
+    )
+    steps: int | None = option(None, "denoising steps while exploring (null: rollout.steps)", min=1)
+    quantize_activations: bool = option(False, "also fake-quantise Linear inputs (W4A4)")
 
 
 @dataclass
@@ -107,12 +124,20 @@ class DiffusionNFTConfig(BaseConfig):
     prompt_file: str | None = option(None, "text file with one prompt per line (null: the shapes prompts)")
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: NFTRolloutConfig = field(default_factory=NFTRolloutConfig)
+    explore: NFTExploreConfig = field(default_factory=NFTExploreConfig)
     train: NFTTrainConfig = field(default_factory=NFTTrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         check_group_size(self.train.advantage, self.rollout.group_size, "rollout.group_size")
+        e, group = self.explore, self.rollout.group_size
+        if e.enabled and (group % 2 or group > e.pool):
+            raise ConfigError(
+                f"config error: with explore.enabled, rollout.group_size = {group} samples per prompt are "
+                f"the best half and the worst half of explore.pool = {e.pool} candidates: it must be even "
+                "and at most the pool"
+            )
 
 
 def check_nft_size(
@@ -133,15 +158,17 @@ def check_nft_size(
     )
     latent = 4 * math.prod(pipe.latent_shape())
     side = pipe.latent_shape()[-1] * pipe.vae_scale
-    rows = r.prompts_per_step * r.group_size
+    rows = r.prompts_per_step * max(r.group_size, cfg.explore.pool if cfg.explore.enabled else 0)
     guided = 2 if r.guidance_scale != 1.0 else 1
     kept = rows * (1 + 3 * t.timesteps_per_sample)  # clean latents; noised latents, noise, old velocity
     need = latent * (kept + guided * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
     check_memory(
         need + 2 * t.micro_batch * TRAINING_LATENTS * latent,
-        f"a step of {r.prompts_per_step} prompts x {r.group_size} samples of {side}x{side} px, "
+        f"a step of {r.prompts_per_step} prompts x {rows // r.prompts_per_step} samples of {side}x{side} px, "
         f"{t.timesteps_per_sample} noise levels each, and updates of {t.micro_batch} noised samples "
-        "(rollout.prompts_per_step x rollout.group_size, rollout.image_size, train.micro_batch)",
-        ["rollout.prompts_per_step", "rollout.group_size", "rollout.image_size", "train.micro_batch"],
+        "(rollout.prompts_per_step x rollout.group_size or explore.pool, rollout.image_size, "
+        "train.micro_batch)",
+        ["rollout.prompts_per_step", "explore.pool" if cfg.explore.enabled else "rollout.group_size"]
+        + ["rollout.image_size", "train.micro_batch"],
         device,
     )

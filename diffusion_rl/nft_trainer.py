@@ -5,7 +5,12 @@ One training step, read top to bottom in `DiffusionNFTTrainer.train_step`:
 1. the sampler (`train.sampler`) picks prompts;
 2. the old policy (the data-collecting one) draws `rollout.group_size` clean samples per prompt with
    any solver (`rollout.solver`: the ODE, `ode_stride` included, or Flow-GRPO's SDE): no log-probs are
-   kept, only the clean latents;
+   kept, only the clean latents. With `explore` (Sol-RL) it first draws a pool of `explore.pool`
+   candidates per prompt with its weights in low precision (`explore.precision`, e.g. NVFP4) and
+   optionally fewer steps, rewards them, and regenerates only the best and the worst
+   `rollout.group_size / 2` in full precision from the same keyed initial noise
+   (`diffusion_rl.quantized_exploration`); the rank agreement (Kendall tau) of the pool's and the
+   replay's rewards is logged;
 3. the samples are rewarded; the group advantage (`train.advantage`) maps to an optimality
    r = clip(A, -C, C) / 2C + 1/2 in [0, 1];
 4. each clean sample x0 is noised at `train.timesteps_per_sample` levels t ~ U(0, 1),
@@ -21,6 +26,7 @@ Every draw is keyed by (seed, step, ...), so a resumed run repeats exactly.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,9 +36,11 @@ from diffusion_rl.config import RolloutConfig
 from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly
 from diffusion_rl.models import Conditioning
 from diffusion_rl.nft_config import DiffusionNFTConfig, check_nft_size
+from diffusion_rl.quantized_exploration import KeptLeaves, keep_for_replay, rank_agreement
 from diffusion_rl.sampling import save_grid
 from mmrl.losses import nft_optimality
 from mmrl.noise import NoiseKey, keyed_rand_batch, keyed_randn_batch
+from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 
 TRAIN_STREAM = 1 << 32  # streams of the update's noise: above any denoising step index of a rollout
@@ -68,6 +76,11 @@ class DiffusionNFTTrainer(DiffusionTrainer):
             ode_stride=r.ode_stride if r.solver == "ode" else 1,
         )
         self.plan = TreePlan(r.steps, [0], r.group_size, [r.solver == "sde"] * r.steps)
+        if cfg.explore.enabled:  # pool and replay number the candidates alike: a kept key is its noise
+            pool, steps = cfg.explore.pool, cfg.explore.steps or r.steps
+            self.pool_sampling = replace(self.sampling, branch_factor=pool)
+            self.pool_plan = TreePlan(steps, [0], pool, [r.solver == "sde"] * steps)
+            self.replay_plan = TreePlan(r.steps, [0], pool, [r.solver == "sde"] * r.steps)
         self.old_policy = [p.detach().clone() for p in self.trained_params]
 
     def check_size(self) -> None:
@@ -92,13 +105,29 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         cond = self.pipe.encode_prompts(prompts)
         uncond = self.uncond_one[[0] * len(prompts)]
 
+        metrics: dict[str, Any] = {}
+        plan, sampling, kept = self.plan, self.sampling, None
         with self.swapped_weights(self.old_policy):  # the data come from the old policy
+            if cfg.explore.enabled:
+                kept, explore_metrics = self.explore(slots, prompts, cond, uncond, step)
+                plan, sampling = self.replay_plan, self.pool_sampling
+                metrics.update(explore_metrics)
             trees, clean, evaluations = rollout_trees(
-                self.pipe, cond, uncond, slots, self.plan, self.sampling, cfg.seed, step
+                self.pipe,
+                cond,
+                uncond,
+                slots,
+                plan,
+                sampling,
+                cfg.seed,
+                step,
+                None if kept is None else kept.skeletons,
             )
         rewards, images = self.score(trees, clean, prompts)
         if not torch.isfinite(rewards).all():
             self.skip_step("non-finite reward", cfg.train.nan_patience)
+        if kept is not None:
+            metrics["kendall_tau_lowp_vs_full"] = rank_agreement(kept, trees, rewards)
 
         everyone = self.gather_rewards(slots, rewards)
         keep = self.sampler.update(chosen, everyone.rewards, everyone.groups)
@@ -109,7 +138,6 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         trained = [i for i in range(len(rewards)) if keep[slots[i // group]]]  # the sampler may drop groups
         sample_ids = [slots[i // group] * group + i % group for i in trained]
 
-        metrics: dict[str, Any] = {}
         if trained:
             samples = (clean[trained], cond[[i // group for i in trained]], optimality[trained], sample_ids)
             metrics.update(self.optimise(*samples, step))
@@ -130,6 +158,23 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         if self.is_main and step % 10 == 0:
             save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")
         return metrics
+
+    def explore(
+        self, slots: list[int], prompts: list[str], cond: Conditioning, uncond: Conditioning, step: int
+    ) -> tuple[KeptLeaves, dict[str, Any]]:
+        """Sol-RL's pool, drawn with the weights in low precision and rewarded; the best and the worst
+        `rollout.group_size / 2` candidates of every prompt are kept for the full-precision replay."""
+        cfg = self.config
+        e = cfg.explore
+        with explore_precision(self.pipe.denoiser, e.precision, e.quantize_activations):
+            trees, leaves, evaluations = rollout_trees(
+                self.pipe, cond, uncond, slots, self.pool_plan, self.pool_sampling, cfg.seed, step
+            )
+        rewards, _ = self.score(trees, leaves, prompts)
+        if not torch.isfinite(rewards).all():
+            self.skip_step("non-finite exploration reward", cfg.train.nan_patience)
+        kept = keep_for_replay(self.pool_plan, trees, rewards, cfg.rollout.group_size)
+        return kept, {"explore_nfe": evaluations / len(trees), "explore_reward": rewards.mean()}
 
     def noised(
         self, clean: torch.Tensor, sample_ids: list[int], step: int

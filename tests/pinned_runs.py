@@ -65,6 +65,7 @@ RUNS: dict[str, list[str]] = {
     "diffusion/branchgrpo_quick": [*TINY_DIFFUSION, "rollout.split_steps=[0,1,2]", "prune.depths=[2]"],
     "diffusion/flat_grpo": [*TINY_DIFFUSION, "rollout.branch_factor=4"],
     "diffusion/nft": [*TINY_DIFFUSION, "rollout.group_size=4"],
+    "diffusion/sol_rl": [*TINY_DIFFUSION, "rollout.group_size=4", "explore.pool=8", "explore.steps=3"],
     "vlm/tool_grpo": TINY_VLM,
     "vlm/tool_grpo_cost": TINY_VLM,
     "vlm/tool_grpo_tree": [*TINY_VLM, "rollout.tree.branching=[2,2]"],  # group_size 4: [4, 2] would be flat

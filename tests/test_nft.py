@@ -201,3 +201,93 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
 def test_bad_input_is_one_clear_error(model_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         trainer_for(model_dir, tmp_path, *overrides)
+
+
+# ----- Sol-RL: `explore` ---------------------------------------------------------------------------
+
+
+def sol_rl(model_dir, run_dir, *overrides):
+    return trainer_for(
+        model_dir,
+        run_dir,
+        "explore.enabled=true",
+        "explore.pool=8",
+        "explore.steps=2",
+        *overrides,
+    )
+
+
+def test_sol_rl_replays_the_kept_seeds_exactly_in_full_precision(model_dir, tmp_path, monkeypatch):
+    """The pool runs 2 low-precision steps on 8 candidates per prompt; the replay regenerates the kept
+    4 with 4 full-precision steps, each the fresh full-precision sample of its seed alone, and far from
+    its pool sample."""
+    from diffusion_rl import nft_trainer as module
+    from diffusion_rl.branch_rollout import ancestors
+
+    trainer = sol_rl(model_dir, tmp_path)
+    calls = []
+
+    def spy(*args, **kwargs):
+        out = rollout_trees(*args, **kwargs)
+        calls.append((args, [p.detach().clone() for p in trainer.trained_params], out))
+        return out
+
+    monkeypatch.setattr(module, "rollout_trees", spy)
+    metrics = trainer.train_step(0)
+    (_, _, pool), (replay_args, sampled_with, replay) = calls
+    assert metrics["explore_nfe"] == 8 * 2 and metrics["nfe"] == 4 * 4
+    assert -1.0 <= metrics["kendall_tau_lowp_vs_full"] <= 1.0
+    replay_trees, replay_latents, _ = replay
+    leaf = replay_trees[1].leaves()[2]
+    key = replay_trees[1].nodes[leaf].state["key"]
+    pipe, cond, uncond, slots, plan, sampling, seed, step = replay_args[:8]
+    with trainer.swapped_weights(sampled_with):  # the weights the replay ran with
+        _, fresh, _ = rollout_trees(
+            pipe, cond[1:], uncond[1:], slots[1:], plan, sampling, seed, step, [ancestors(plan, [key])]
+        )
+    # the same keyed noise and weights; the denoiser's matmuls round differently for another batch size
+    # (measured up to about 1e-5 on CPU), so this is float32 rounding rather than bit for bit
+    torch.testing.assert_close(fresh[0], replay_latents[4 + 2], rtol=0, atol=1e-5)
+    pool_trees, pool_latents, _ = pool
+    pool_index = [pool_trees[1].nodes[n].state["key"] for n in pool_trees[1].leaves()].index(key)
+    assert (pool_latents[8 + pool_index] - replay_latents[4 + 2]).abs().max() > 1e-3
+
+
+def test_sol_rl_keeps_the_best_and_the_worst_of_the_pool(model_dir, tmp_path, monkeypatch):
+    """Pool rewards rise with the candidate's key: the replay must hold keys 1, 2 (worst) and 7, 8
+    (best) of every prompt, not the top 4."""
+    from diffusion_rl import nft_trainer as module
+
+    trainer = sol_rl(model_dir, tmp_path)
+    replays = []
+
+    def spy(*args, **kwargs):
+        out = rollout_trees(*args, **kwargs)
+        replays.append(out[0])
+        return out
+
+    def reward(images, prompts):
+        trees = replays[-1]
+        return torch.tensor([float(t.nodes[n].state["key"]) for t in trees for n in t.leaves()])
+
+    monkeypatch.setattr(module, "rollout_trees", spy)
+    trainer.reward_fn = reward
+    metrics = trainer.train_step(0)
+    kept = [[t.nodes[n].state["key"] for n in t.leaves()] for t in replays[1]]
+    assert kept == [[1, 2, 7, 8], [1, 2, 7, 8]]
+    # the same reward for a key in both passes: every pair agrees, except the 4 pairs of one key in the
+    # two prompts, tied in both (tau-a counts them 0): 24 of 28
+    assert metrics["kendall_tau_lowp_vs_full"] == pytest.approx(24 / 28)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["explore.pool=3"], "at most the pool"),
+        (["rollout.group_size=3", "train.advantage=rloo"], "must be even"),
+        (["explore.precision=fp5"], "explore.precision"),
+    ],
+)
+def test_sol_rl_bad_input_is_one_clear_error(model_dir, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        sol_rl(model_dir, tmp_path, *overrides)
