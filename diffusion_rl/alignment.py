@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from diffusion_rl.shapes import (
+    BACKGROUND,
     COLOURS,
     MAX_PROMPT_COUNT,
     PAIRS,
@@ -56,6 +57,7 @@ from diffusion_rl.shapes import (
     PromptSpec,
     Requirement,
     Scene,
+    _shape_mask,
     in_position,
     parse_prompt,
     render_batch,
@@ -439,6 +441,111 @@ def corrupt_spec(
 
 
 # ---------------------------------------------------------------------------------------------
+# Strict checks: what geneval_mini lets slide (a gold reward)
+
+STRICT_COLOUR_TOLERANCE = 0.25  # RGB distance within which a pixel is confidently a palette colour
+STRICT_BACKGROUND_TOLERANCE = 0.04  # background pixels this far from BACKGROUND are clean ...
+STRICT_BACKGROUND_SPAN = 0.30  # ... and this much further count as fully dirty
+STRICT_MIN_OBJECT_AREA = 0.008  # objects cover at least ~0.02 of the image; smaller blobs are speckle
+_PALETTE = torch.tensor([BACKGROUND, *COLOURS.values()])  # class 0: background, then the colours
+
+
+def strict_checks(images: ImageBatch, specs: Sequence[PromptSpec | str]) -> dict[str, Tensor]:
+    """Per image, in [0, 1] (shape [B] each): `background` (cleanliness outside the objects), `count`
+    (exact object count per colour, extra objects included), `shape` (edge quality of the asked
+    objects) and `score`, their product; see `shapes_strict`."""
+    if len(images) != len(specs):
+        raise ValueError(f"{len(images)} images but {len(specs)} prompts")
+    if not isinstance(images, Tensor):  # a list of images of any sizes: one at a time
+        parts = [strict_checks(image.unsqueeze(0), [spec]) for image, spec in zip(images, specs, strict=True)]
+        keys = ("background", "count", "shape", "score")
+        return {k: torch.cat([p[k] for p in parts]) if parts else torch.zeros(0) for k in keys}
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be [B, 3, H, W], got shape {tuple(images.shape)}")
+    pixels = images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1)  # [B, H, W, 3]
+    batch, height, width, _ = pixels.shape
+    distance = torch.cdist(pixels.reshape(batch, -1, 3), _PALETTE.expand(batch, -1, -1))
+    nearest_distance, nearest = distance.view(batch, height, width, -1).min(-1)
+    classes = torch.where((nearest > 0) & (nearest_distance < STRICT_COLOUR_TOLERANCE), nearest, 0)
+    labels = _components(classes)
+    xs = (np.arange(width, dtype=np.float32)[None, :] + 0.5) / width
+    ys = (np.arange(height, dtype=np.float32)[:, None] + 0.5) / height
+    deviation = (pixels - _PALETTE[0]).norm(dim=-1)
+    dirt = ((deviation - STRICT_BACKGROUND_TOLERANCE) / STRICT_BACKGROUND_SPAN).clamp(0, 1)
+    rows = []
+    for i, spec in enumerate(specs):
+        spec = parse_prompt(spec) if isinstance(spec, str) else spec
+        asked_shapes: dict[str, list[str]] = {}
+        asked_counts: dict[str, int] = {}
+        for r in spec.requirements:
+            asked_shapes.setdefault(r.colour, []).append(r.shape)
+            asked_counts[r.colour] = asked_counts.get(r.colour, 0) + r.count
+        ids, areas = labels[i].unique(return_counts=True)
+        objects = ids[(ids > 0) & (areas >= STRICT_MIN_OBJECT_AREA * height * width)].tolist()
+        found: dict[str, int] = {}
+        fits = []
+        covered = torch.zeros(height, width, dtype=torch.bool)
+        for label in objects:
+            mask = labels[i] == label
+            covered |= mask
+            colour = list(COLOURS)[int(classes[i][mask][0]) - 1]
+            found[colour] = found.get(colour, 0) + 1
+            if colour in asked_shapes:
+                fits.append(max(_shape_fit(mask.numpy(), shape, xs, ys) for shape in asked_shapes[colour]))
+        wrong = sum(abs(found.get(colour, 0) - asked_counts.get(colour, 0)) for colour in COLOURS)
+        near = F.max_pool2d(covered[None, None].float(), 3, 1, 1)[0, 0] > 0  # objects and their edge
+        outside = dirt[i][~near]
+        background = 1 - outside.mean().item() if outside.numel() else 0.0
+        rows.append((background, 1 / (1 + wrong), float(np.mean(fits)) if fits else 0.0))
+    background, count, shape = torch.tensor(rows, dtype=torch.float32).view(-1, 3).unbind(1)
+    return {"background": background, "count": count, "shape": shape, "score": background * count * shape}
+
+
+def _components(classes: Tensor) -> Tensor:
+    """Labels [B, H, W] of the 4-connected regions of equal non-zero class (0 where the class is 0);
+    each region's label is its largest pixel index + 1, found by spreading maxima to neighbours."""
+    batch, height, width = classes.shape
+    labels = torch.arange(1, height * width + 1).view(1, height, width).repeat(batch, 1, 1)
+    labels = torch.where(classes > 0, labels, 0)
+    padded_classes = F.pad(classes, (1, 1, 1, 1), value=-1)
+    neighbours = [(0, 1), (2, 1), (1, 0), (1, 2)]  # offsets into the padded map: up, down, left, right
+    same = [
+        padded_classes[:, dy : dy + height, dx : dx + width] == classes for dy, dx in neighbours
+    ]  # never across the border (class -1) or into class 0 (label 0 there)
+    while True:
+        padded = F.pad(labels, (1, 1, 1, 1))
+        spread = labels
+        for (dy, dx), mask in zip(neighbours, same, strict=True):
+            spread = torch.where(
+                mask, torch.maximum(spread, padded[:, dy : dy + height, dx : dx + width]), spread
+            )
+        if torch.equal(spread, labels):
+            return labels
+        labels = spread
+
+
+def _shape_fit(mask: np.ndarray, shape: str, xs: np.ndarray, ys: np.ndarray) -> float:
+    """IoU of an object's pixels with the ideal `shape` (as `diffusion_rl.shapes.render` draws it)
+    placed and sized by the object's bounding box: 1 for a clean, hard-edged shape, lower for ragged,
+    speckled or bled edges and for another shape."""
+    rows, cols = np.nonzero(mask)
+    height, width = mask.shape
+    left, right = cols.min() / width, (cols.max() + 1) / width
+    top, bottom = rows.min() / height, (rows.max() + 1) / height
+    extent, x, y = max(right - left, bottom - top), (left + right) / 2, (top + bottom) / 2
+    if shape == "square":  # drawn at 0.85 of its half-extent
+        radius = extent / 1.7
+    elif shape == "triangle":  # apex at -radius, base at 0.8 radius, as wide as 2 radius
+        radius = max((right - left) / 2, (bottom - top) / 1.8)
+        y += 0.1 * radius
+    else:
+        radius = extent / 2
+    ideal = _shape_mask(shape, xs - x, ys - y, radius)
+    union = (ideal | mask).sum()
+    return float((ideal & mask).sum() / union) if union else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
 # Reward and command line
 
 
@@ -453,6 +560,30 @@ def geneval_mini(path: str | None = None, device: str = "cpu") -> Callable[..., 
 
     def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
         return scorer.score(images, [parse_prompt(prompt) for prompt in prompts]).cpu()
+
+    return reward
+
+
+@REWARDS.register("shapes_strict")
+def shapes_strict() -> Callable[..., Tensor]:
+    """Strict checks of coloured-shape images against their prompts, in [0, 1]: what `geneval_mini`
+    lets slide, for use as a held-out gold reward (`eval.gold_reward`). The product of
+
+    - background: 1 minus the mean dirt of the pixels away from the objects, a pixel's dirt growing
+      from 0 to 1 as its colour leaves the background's (speckle, noise, tinted or bled backgrounds);
+    - count: 1 / (1 + the number of objects missing or extra, per colour, over all colours), objects
+      being connected regions of one palette colour of at least 0.8% of the image (extra objects
+      of colours the prompt never names count too, which geneval_mini ignores);
+    - shape: the mean IoU of each object of an asked colour with the asked shape as the renderer
+      draws it, fitted to the object's bounding box (ragged, speckled or colour-bled edges, and
+      another shape, lower it).
+
+    Clean renders of a prompt's scene score about 0.9; images: [B, 3, H, W] in [0, 1] or a list of
+    [3, H, W]; prompts outside the grammar raise ValueError. No weights: nothing to load.
+    """
+
+    def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
+        return strict_checks(images, [parse_prompt(prompt) for prompt in prompts])["score"]
 
     return reward
 
