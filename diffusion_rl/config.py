@@ -4,12 +4,13 @@ have, a leaf-only advantage on a branching tree) before any model is loaded."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
-from mmrl.registry import ADVANTAGES
+from mmrl.registry import ADVANTAGES, REWARDS, closest
 
 
 @dataclass
@@ -126,10 +127,135 @@ class TrainConfig:
     )
 
 
+DEFAULT_REWARD = "geneval_mini"
+TERM_KEYS = ("name", "weight", "options")
+REWARD_KEYS = ("name", "options")
+
+
 @dataclass
 class RewardConfig:
-    name: str = option("geneval_mini", "reward (see `mmrl list`)", registry="reward")
+    """One reward (`name`, `options`) or a weighted sum of several (`terms`), which the trainer
+    computes on every leaf; `normalize: group` z-scores each term within each prompt's group (its
+    tree) before weighting, so that terms on different scales weigh what their weights say."""
+
+    name: str | None = option(
+        None, f"reward (see `mmrl list`); null: {DEFAULT_REWARD}, or the rewards of terms", registry="reward"
+    )
     options: dict = option({}, "keyword options of the reward factory")
+    terms: list | None = option(
+        None,
+        "instead of name: rewards trained together, their weighted sum the trained reward, e.g. "
+        "[{name: geneval_mini, weight: 1.0}, {name: jpeg_incompressibility, weight: 0.1, options: {}}]; "
+        "each term's mean is logged as reward_<name> (weight 0: logged, not trained)",
+    )
+    normalize: Literal["none", "group"] = option(
+        "none", "none: raw rewards; group: each term z-scored within each prompt's group before weighting"
+    )
+
+    def __post_init__(self) -> None:
+        if self.terms is None:
+            if self.name is None:
+                self.name = DEFAULT_REWARD
+            return
+        if self.name is not None:
+            raise ConfigError(
+                f"config error: reward.name = {self.name!r} and reward.terms are both given: train one "
+                "reward with name (and options) or several with terms, and set the other to null "
+                "(e.g. reward.name=null beside reward.terms=[...])"
+            )
+        if self.options:
+            raise ConfigError(
+                f"config error: reward.options = {self.options!r} is given with reward.terms: give each "
+                "term its own options (reward.terms[i].options)"
+            )
+        self.terms = check_reward_terms(self.terms)
+
+
+def check_reward_terms(terms: Any) -> list[dict[str, Any]]:
+    """`reward.terms` as a list of {name, weight, options} (weight 1 and options {} where left out),
+    or a ConfigError naming the first bad key."""
+    if not isinstance(terms, list | tuple):
+        raise ConfigError(
+            f"config error: reward.terms = {terms!r} is not a list: give [{{name: ..., weight: ...}}, ...]"
+        )
+    if not terms:
+        raise ConfigError(
+            "config error: reward.terms is an empty list: give at least one {name: ..., weight: ...}, "
+            "or set reward.terms=null and reward.name=..."
+        )
+    checked, seen = [], {}
+    for i, term in enumerate(terms):
+        key = f"reward.terms[{i}]"
+        if isinstance(term, str):  # a bare name: weight 1
+            term = {"name": term}
+        if not isinstance(term, dict):
+            raise ConfigError(
+                f"config error: {key} = {term!r} is not a mapping: give "
+                "{name: ..., weight: ..., options: ...}"
+            )
+        for extra in term:
+            if extra not in TERM_KEYS:
+                hint = closest(str(extra), list(TERM_KEYS))
+                did_you_mean = f"; did you mean '{key}.{hint}'?" if hint else ""
+                raise ConfigError(
+                    f"config error: unknown key '{key}.{extra}'{did_you_mean} valid keys of a term: "
+                    f"{', '.join(TERM_KEYS)}"
+                )
+        name = check_reward_name(term.get("name"), f"{key}.name")
+        if name in seen:
+            raise ConfigError(
+                f"config error: {key}.name = {name!r} is already reward.terms[{seen[name]}]: each reward "
+                f"may be a term once (its mean is logged as reward_{name}); merge their weights"
+            )
+        seen[name] = i
+        checked.append(
+            {
+                "name": name,
+                "weight": check_weight(term.get("weight", 1.0), f"{key}.weight"),
+                "options": check_options(term.get("options", {}), f"{key}.options"),
+            }
+        )
+    if all(term["weight"] == 0 for term in checked):
+        raise ConfigError(
+            f"config error: reward.terms = {terms!r}: every weight is 0, so nothing would be trained; "
+            "give at least one term a non-zero weight"
+        )
+    return checked
+
+
+def check_reward_name(name: Any, key: str) -> str:
+    if name is None:
+        raise ConfigError(f"config error: {key} is missing: name a reward (see `mmrl list`)")
+    if not isinstance(name, str):
+        raise ConfigError(f"config error: {key} = {name!r} is not a string: name a reward (see `mmrl list`)")
+    if name not in REWARDS:
+        raise ConfigError(f"config error: {key} = {name!r}: {REWARDS.unknown_message(name)}")
+    return name
+
+
+def check_weight(weight: Any, key: str) -> float:
+    number = weight
+    if isinstance(weight, str):  # YAML 1.1 reads "1e-1" as a string
+        try:
+            number = float(weight)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, int | float):
+        raise ConfigError(f"config error: {key} = {weight!r} is not a number")
+    if not math.isfinite(number):
+        raise ConfigError(f"config error: {key} = {weight!r} is not a finite number")
+    return float(number)
+
+
+def check_options(options: Any, key: str) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"config error: {key} = {options!r} is not a mapping: give the reward factory's keyword "
+            "options, e.g. {quality: 90}"
+        )
+    return dict(options)
 
 
 @dataclass
@@ -137,6 +263,36 @@ class EvalConfig:
     prompts: int = option(64, "held-out prompts", min=1)
     steps: int = option(20, "ODE sampling steps", min=1)
     guidance_scale: float = option(3.0, "classifier-free guidance", min=1.0)
+    gold_reward: dict | str | None = option(
+        None,
+        "a held-out reward never trained on, e.g. {name: shapes_strict, options: {}} (or just its name): "
+        "the held-out samples are also scored by it (heldout_gold), and eval.json flags a run whose "
+        "trained reward rose while it fell; null: none",
+    )
+
+    def __post_init__(self) -> None:
+        gold = self.gold_reward
+        if gold is None:
+            return
+        if isinstance(gold, str):
+            gold = {"name": gold}
+        if not isinstance(gold, dict):
+            raise ConfigError(
+                f"config error: eval.gold_reward = {gold!r} is not a mapping: give "
+                "{name: ..., options: ...} or null"
+            )
+        for extra in gold:
+            if extra not in REWARD_KEYS:
+                hint = closest(str(extra), list(REWARD_KEYS))
+                did_you_mean = f"; did you mean 'eval.gold_reward.{hint}'?" if hint else ""
+                raise ConfigError(
+                    f"config error: unknown key 'eval.gold_reward.{extra}'{did_you_mean} valid keys: "
+                    f"{', '.join(REWARD_KEYS)}"
+                )
+        self.gold_reward = {
+            "name": check_reward_name(gold.get("name"), "eval.gold_reward.name"),
+            "options": check_options(gold.get("options", {}), "eval.gold_reward.options"),
+        }
 
 
 @dataclass
