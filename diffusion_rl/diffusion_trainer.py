@@ -7,11 +7,19 @@ over processes, the EMA of the trained weights, held-out evaluation and the save
 their rollout and update. A config for this class has the sections `model`, `rollout` (with
 `prompts_per_step` and `image_size`), `train` (with `lr`, `kl_coef`, `sampler`, `sampler_options`,
 `ema_decay`), `reward` and `eval`, and a `prompt_file`.
+
+Rewards: `reward` is one registered reward or weighted `terms` (`diffusion_rl.config.RewardConfig`);
+`score` computes every term on the leaves, z-scores each within its tree when `reward.normalize` is
+group, and trains on the weighted sum; `reward_metrics` gives each term's raw mean (reward_<name>).
+`eval.gold_reward` is scored on the held-out samples beside the trained terms but never trained on;
+a run whose trained reward rose while the gold reward fell is flagged in eval.json (`divergence`).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -19,17 +27,21 @@ from typing import Any, NamedTuple
 
 import torch
 
+from diffusion_rl.config import RewardConfig
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.rewards import RewardServerError
+from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError
 from diffusion_rl.sampling import evaluate_alignment
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import ConfigError, shipped_path
 from mmrl.registry import REWARDS, UnknownNameError
+from mmrl.rewards import RewardFn
 from mmrl.samplers import build_sampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+GOLD_KEY = "gold"  # held-out metric heldout_gold
+DIVERGENCE_KEY = "divergence"  # eval.json entry of the reward-hacking check
 
 
 class StepRewards(NamedTuple):
@@ -66,6 +78,75 @@ def resolve_model_path(path: str) -> Path:
     )
 
 
+class RewardTerm(NamedTuple):
+    name: str
+    weight: float
+    fn: RewardFn
+
+
+def build_reward(name: str, options: dict[str, Any], prefix: str) -> RewardFn:
+    """The registered reward `name` built with `options`; a ConfigError naming `prefix` + name/options."""
+    try:
+        return REWARDS.get(name)(**options)
+    except UnknownNameError as err:
+        raise ConfigError(f"config error: {prefix}name: {err}") from None
+    except TypeError as err:
+        raise ConfigError(f"config error: {prefix}options = {options}: {err}") from None
+    except ConfigError as err:  # the factory's own check of an option, named where this config holds it
+        raise ConfigError(str(err).replace(OPTIONS_KEY, f"{prefix}options")) from None
+
+
+def build_reward_terms(reward: RewardConfig) -> list[RewardTerm]:
+    """Every trained reward with its weight: the terms, or the one reward with weight 1."""
+    if reward.terms is None:
+        return [RewardTerm(str(reward.name), 1.0, build_reward(str(reward.name), reward.options, "reward."))]
+    return [
+        RewardTerm(t["name"], t["weight"], build_reward(t["name"], t["options"], f"reward.terms[{i}]."))
+        for i, t in enumerate(reward.terms)
+    ]
+
+
+def group_zscore(values: torch.Tensor, group_sizes: Sequence[int], eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean_g) / (std_g + eps) within consecutive groups of the given sizes (population std, in
+    float64 as the GRPO advantage computes it); a group of equal values gets exactly 0."""
+    r = values.double()
+    parts = [(g - g.mean()) / (g.std(unbiased=False) + eps) for g in r.split(list(group_sizes))]
+    return torch.cat(parts) if parts else r
+
+
+def combine_rewards(
+    raw: dict[str, torch.Tensor], weights: dict[str, float], group_sizes: Sequence[int], normalize: str
+) -> torch.Tensor:
+    """The trained reward: sum over terms of weight * reward, each term first z-scored within each
+    group (consecutive leaves, `group_sizes`) when `normalize` is "group"; float32."""
+    total = torch.zeros(sum(group_sizes), dtype=torch.float64)
+    for name, values in raw.items():
+        term = group_zscore(values, group_sizes) if normalize == "group" else values.double()
+        total += weights[name] * term
+    return total.float()
+
+
+def reward_hacking_record(
+    first: dict[str, Any] | None, last: dict[str, Any] | None, trained_key: str, gold_key: str
+) -> dict[str, Any] | None:
+    """Whether the trained reward's held-out score rose while the gold reward's fell from the `first`
+    to the `last` evaluation, with both changes; None when either evaluation lacks either score."""
+    if first is None or last is None:
+        return None
+    try:
+        trained = float(last[trained_key]) - float(first[trained_key])
+        gold = float(last[gold_key]) - float(first[gold_key])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {
+        "reward_hacking_suspected": bool(trained > 0 and gold < 0),
+        "trained_metric": trained_key,
+        "trained_delta": trained,
+        "gold_metric": gold_key,
+        "gold_delta": gold,
+    }
+
+
 def split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
     """`items` cut into `parts` consecutive pieces whose sizes differ by at most one."""
     size, extra = divmod(len(items), parts)
@@ -82,12 +163,19 @@ class DiffusionTrainer(Trainer):
     def setup(self) -> None:
         cfg = self.config
         self.prompts = load_prompts(cfg.prompt_file)
-        try:
-            self.reward_fn = REWARDS.get(cfg.reward.name)(**cfg.reward.options)
-        except UnknownNameError as err:
-            raise ConfigError(f"config error: reward.name: {err}") from None
-        except TypeError as err:
-            raise ConfigError(f"config error: reward.options = {cfg.reward.options}: {err}") from None
+        self.reward_terms = build_reward_terms(cfg.reward)
+        self.reward_fn = self.reward_terms[0].fn  # the one reward (terms: see `score`)
+        self.last_reward_metrics: dict[str, float] = {}
+        self.gold_reward_fn = None
+        gold = cfg.eval.gold_reward
+        if gold is not None:
+            trained = [term.name for term in self.reward_terms]
+            if gold["name"] in trained:
+                raise ConfigError(
+                    f"config error: eval.gold_reward.name = {gold['name']!r} is also a trained reward "
+                    f"({', '.join(trained)}): a gold reward must be one the run never trains on"
+                )
+            self.gold_reward_fn = build_reward(gold["name"], gold["options"], "eval.gold_reward.")
         model_dir = resolve_model_path(cfg.model.path)
         try:
             self.pipe = FlowPipeline.from_pretrained(model_dir)
@@ -157,14 +245,39 @@ class DiffusionTrainer(Trainer):
     def score(
         self, trees: list[RolloutTree], latents: torch.Tensor, prompts: list[str]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rewards of the leaves (`latents`, tree-major; `prompts` one per tree) and their images."""
+        """Rewards of the leaves (`latents`, tree-major; `prompts` one per tree) and their images.
+
+        One reward: its values. Terms (or `reward.normalize: group`): every term on every leaf, each
+        z-scored within its tree (a prompt's group) when normalised, summed with the terms' weights;
+        each term's raw mean is kept for `reward_metrics`."""
         images = self.pipe.decode(latents)
         leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
+        reward = self.config.reward
+        if reward.terms is None and reward.normalize == "none":
+            self.last_reward_metrics = {}
+            return self.call_reward(self.reward_fn, images, leaf_prompts), images
+        terms = (
+            self.reward_terms
+            if reward.terms is not None
+            else [self.reward_terms[0]._replace(fn=self.reward_fn)]
+        )
+        raw = {term.name: self.call_reward(term.fn, images, leaf_prompts) for term in terms}
+        self.last_reward_metrics = {f"reward_{name}": values.mean().item() for name, values in raw.items()}
+        sizes = [len(tree.leaves()) for tree in trees]
+        weights = {term.name: term.weight for term in terms}
+        return combine_rewards(raw, weights, sizes, reward.normalize), images
+
+    @staticmethod
+    def call_reward(fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         try:
-            rewards = self.reward_fn(images, prompts=leaf_prompts).float().cpu()
+            return fn(images, prompts=prompts).float().cpu()
         except RewardServerError as err:
             raise TrainingStopped(f"reward server failed: {err}") from err
-        return rewards, images
+
+    def reward_metrics(self) -> dict[str, float]:
+        """Each trained term's raw mean over the leaves of the last `score` call (reward_<name>);
+        empty for one reward without `reward.normalize`, whose values are the trained reward itself."""
+        return dict(self.last_reward_metrics)
 
     def gather_rewards(self, slots: list[int], rewards: torch.Tensor) -> StepRewards:
         """Every process's leaf rewards, so that the sampler's state stays the same on every process
@@ -210,16 +323,77 @@ class DiffusionTrainer(Trainer):
         """The EMA weights in the model for the duration (no-op without EMA)."""
         return self.swapped_weights(self.ema)
 
+    def heldout_rewards(self) -> dict[str, RewardFn]:
+        """The rewards the held-out samples are also scored by, as heldout_<key>: with terms or a gold
+        reward, every trained term (by name) and the gold reward (key `GOLD_KEY`); else none."""
+        if self.config.reward.terms is None and self.gold_reward_fn is None:
+            return {}
+        if self.config.reward.terms is None:
+            rewards = {self.reward_terms[0].name: self.reward_fn}
+        else:
+            rewards = {term.name: term.fn for term in self.reward_terms}
+        if self.gold_reward_fn is not None:
+            rewards[GOLD_KEY] = self.gold_reward_fn
+        return rewards
+
+    def trained_heldout_key(self) -> str:
+        """The held-out metric of the trained reward: heldout_reward (the weighted sum of the terms'
+        held-out means) with terms, heldout_<name> for one reward."""
+        if self.config.reward.terms is not None:
+            return "heldout_reward"
+        return f"heldout_{self.reward_terms[0].name}"
+
     def evaluate(self) -> dict[str, float]:
+        """heldout_alignment (geneval_mini) of ODE samples for the fixed held-out prompts and noise, and
+        with terms or a gold reward also heldout_<term>, heldout_reward (terms) and heldout_gold."""
         cfg = self.config.eval
+        rewards = self.heldout_rewards()
         with self.ema_weights():
-            return evaluate_alignment(self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed)
+            if not rewards:
+                return evaluate_alignment(
+                    self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed
+                )
+            metrics = evaluate_alignment(
+                self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed, rewards=rewards
+            )
+        keys = [f"heldout_{term.name}" for term in self.reward_terms]
+        if self.config.reward.terms is not None and all(key in metrics for key in keys):
+            weights = [term.weight for term in self.reward_terms]
+            metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))
+        return metrics
 
     def train(self) -> dict[str, Any]:
         result = super().train()
         if self.is_main:
             self.save_result()
+            self.check_reward_hacking()
         return result
+
+    def check_reward_hacking(self) -> dict[str, Any] | None:
+        """With a gold reward: whether the trained reward's held-out score rose and the gold score fell
+        from the first evaluation (eval.json `before`) to the last (`after`), written to
+        eval.json[`DIVERGENCE_KEY`] with both changes, and a warning line when it did."""
+        if self.gold_reward_fn is None:
+            return None
+        path = self.run_dir / "eval.json"
+        evals = json.loads(path.read_text()) if path.is_file() else {}
+        gold_key = f"heldout_{GOLD_KEY}"
+        record = reward_hacking_record(
+            evals.get("before"), evals.get("after"), self.trained_heldout_key(), gold_key
+        )
+        if record is None:
+            return None
+        self.write_eval(DIVERGENCE_KEY, record)
+        if record["reward_hacking_suspected"]:
+            gold = self.config.eval.gold_reward["name"]
+            print(
+                f"warning: reward hacking suspected: held-out {record['trained_metric']} rose by "
+                f"{record['trained_delta']:+.4f} while the gold reward {gold} (heldout_gold) fell by "
+                f"{record['gold_delta']:+.4f} from the first to the last evaluation; inspect the samples "
+                f"in {self.samples_dir} (eval.json: {DIVERGENCE_KEY})",
+                file=sys.stderr,
+            )
+        return record
 
     def save_result(self) -> None:
         """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -73,8 +73,11 @@ def evaluate_alignment(
     guidance_scale: float,
     seed: int,
     grid_path: Path | None = None,
+    rewards: Mapping[str, Callable[..., torch.Tensor]] | None = None,
 ) -> dict[str, float]:
-    """Mean alignment reward of ODE samples for held-out prompts (fixed prompts and noise)."""
+    """Mean alignment reward of ODE samples for held-out prompts (fixed prompts and noise):
+    heldout_alignment, and heldout_<key> for each of `rewards` (reward functions called as
+    ``fn(images, prompts=prompts)``) on the same images."""
     from diffusion_rl.alignment import load_scorer
 
     prompts = heldout_subset(num_prompts)
@@ -82,4 +85,7 @@ def evaluate_alignment(
     scores = load_scorer().score(images, [parse_prompt(p) for p in prompts])
     if grid_path is not None:
         save_grid(images[:32], grid_path)
-    return {"heldout_alignment": scores.mean().item()}
+    metrics = {"heldout_alignment": scores.mean().item()}
+    for key, fn in (rewards or {}).items():
+        metrics[f"heldout_{key}"] = fn(images, prompts=prompts).float().mean().item()
+    return metrics

@@ -144,6 +144,7 @@ class BranchGRPOTrainer(DiffusionTrainer):
         )
 
         rewards, images = self.score(trees, leaves, prompts)
+        metrics.update(self.reward_metrics())
         if not torch.isfinite(rewards).all():
             self.skip_step("non-finite reward", cfg.train.nan_patience)
         if kept is not None:

@@ -1,0 +1,472 @@
+"""Several rewards at once (weighted terms, group normalisation, per-term metrics), a held-out gold
+reward logged at every evaluation with the reward-hacking flag in eval.json, and the strict scorer
+of the shapes world that the gold reward is meant to be."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_rl.alignment import load_scorer, strict_checks
+from diffusion_rl.branch_rollout import rollout_trees
+from diffusion_rl.config import BranchGRPOConfig
+from diffusion_rl.diffusion_trainer import (
+    combine_rewards,
+    group_zscore,
+    reward_hacking_record,
+)
+from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.shapes import (
+    Scene,
+    prompt_text,
+    render,
+    render_batch,
+    sample_cluttered_scene,
+    sample_spec,
+    scene_for_spec,
+    vocabulary,
+)
+from diffusion_rl.trainer import BranchGRPOTrainer
+from mmrl.cli import load_plugins
+from mmrl.config import ConfigError, build, load_config, to_dict
+from mmrl.registry import REWARDS
+
+load_plugins()
+
+SMALL = TinyFlowSpec(
+    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
+)
+TERMS = (
+    "reward.terms=[{name: jpeg_incompressibility, weight: 1.0}, "
+    "{name: jpeg_compressibility, weight: 0.5, options: {quality: 90}}]"
+)
+WITH_TERMS = ["reward.name=null", TERMS]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_flow")
+    FlowPipeline.tiny(vocabulary(), SMALL).save_pretrained(path)
+    return path
+
+
+def config_for(model_dir, run_dir, *overrides):
+    return load_config(
+        "diffusion/branchgrpo",
+        [
+            f"model.path={model_dir}",
+            f"output_dir={run_dir}",
+            "progress=false",
+            "rollout.prompts_per_step=2",
+            "rollout.steps=4",
+            "rollout.split_steps=[0,2]",  # 4 leaves per prompt
+            "rollout.guidance_scale=1.0",
+            "reward.name=jpeg_incompressibility",
+            "eval.prompts=2",
+            "eval.steps=2",
+            *overrides,
+        ],
+    )
+
+
+def trainer_for(model_dir, run_dir, *overrides, setup=True):
+    trainer = BranchGRPOTrainer(config_for(model_dir, run_dir, *overrides))
+    if setup:
+        trainer.seed_everything()
+        trainer.setup()
+    return trainer
+
+
+def rollout(trainer):
+    prompts = [trainer.prompts[3], trainer.prompts[5]]
+    cond = trainer.pipe.encode_prompts(prompts)
+    uncond = trainer.uncond_one[[0, 0]]
+    trees, leaves, _ = rollout_trees(
+        trainer.pipe, cond, uncond, [3, 5], trainer.plan, trainer.config.rollout, 0, 0
+    )
+    return trees, leaves, prompts
+
+
+def fixed(values):
+    return lambda images, prompts, **_: torch.tensor(values, dtype=torch.float32)
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- weighting and normalisation --------------------------------------------------------------------
+
+
+def test_weighted_sum_without_normalisation():
+    raw = {"a": torch.tensor([1.0, 2.0, 3.0, 4.0]), "b": torch.tensor([10.0, 0.0, 10.0, 0.0])}
+    total = combine_rewards(raw, {"a": 1.0, "b": 0.1}, [2, 2], "none")
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(total, torch.tensor([2.0, 2.0, 4.0, 4.0]))
+
+
+def test_group_normalisation_z_scores_each_term_within_each_group_before_weighting():
+    # groups [1, 3] | [5, 5] for a, [0, 4] | [2, 6] for b: population std 1 | 0 and 2 | 2
+    raw = {"a": torch.tensor([1.0, 3.0, 5.0, 5.0]), "b": torch.tensor([0.0, 4.0, 2.0, 6.0])}
+    torch.testing.assert_close(
+        group_zscore(raw["a"], [2, 2]),
+        torch.tensor([-1.0, 1.0, 0.0, 0.0], dtype=torch.float64),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert group_zscore(raw["a"], [2, 2])[2:].eq(0).all()  # equal rewards: exactly 0
+    total = combine_rewards(raw, {"a": 2.0, "b": -0.5}, [2, 2], "group")
+    # a: [-1, 1, 0, 0] * 2; b: [-1, 1, -1, 1] * -0.5
+    torch.testing.assert_close(total, torch.tensor([-1.5, 1.5, 0.5, -0.5]), atol=1e-5, rtol=0)
+    # the scale of a term does not matter once normalised
+    scaled = combine_rewards({"a": raw["a"] * 1000, "b": raw["b"]}, {"a": 2.0, "b": -0.5}, [2, 2], "group")
+    torch.testing.assert_close(scaled, total, atol=1e-5, rtol=0)
+
+
+def test_score_weights_the_terms_per_tree_and_keeps_their_means(model_dir, tmp_path):
+    trainer = trainer_for(model_dir, tmp_path, *WITH_TERMS, "reward.normalize=group")
+    a = [0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]  # tree 0: z = -1, 1, -1, 1; tree 1: all equal, 0
+    b = [3.0, 3.0, 3.0, 3.0, 0.0, 0.0, 4.0, 4.0]  # tree 0: 0; tree 1: z = -1, -1, 1, 1
+    trainer.reward_terms = [
+        trainer.reward_terms[0]._replace(fn=fixed(a)),
+        trainer.reward_terms[1]._replace(fn=fixed(b)),
+    ]
+    trees, leaves, prompts = rollout(trainer)
+    rewards, images = trainer.score(trees, leaves, prompts)
+    assert images.shape[0] == 8
+    expected = torch.tensor([-1.0, 1.0, -1.0, 1.0, -0.5, -0.5, 0.5, 0.5])  # 1.0 * z(a) + 0.5 * z(b)
+    torch.testing.assert_close(rewards, expected, atol=1e-5, rtol=0)
+    assert trainer.reward_metrics() == {
+        "reward_jpeg_incompressibility": 1.0,
+        "reward_jpeg_compressibility": 2.5,
+    }
+
+    trainer.config.reward.normalize = "none"
+    rewards, _ = trainer.score(trees, leaves, prompts)
+    torch.testing.assert_close(rewards, torch.tensor(a) + 0.5 * torch.tensor(b))
+
+
+def test_one_reward_is_scored_as_before_and_logs_no_terms(model_dir, tmp_path):
+    trainer = trainer_for(model_dir, tmp_path)
+    values = [0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    trainer.reward_fn = fixed(values)
+    trees, leaves, prompts = rollout(trainer)
+    rewards, _ = trainer.score(trees, leaves, prompts)
+    assert torch.equal(rewards, torch.tensor(values))
+    assert trainer.reward_metrics() == {}
+    trainer.config.reward.normalize = "group"  # one reward, normalised: z-scored, its raw mean logged
+    rewards, _ = trainer.score(trees, leaves, prompts)
+    torch.testing.assert_close(rewards, torch.tensor([-1.0, 1.0, -1.0, 1.0, 0, 0, 0, 0]), atol=1e-5, rtol=0)
+    assert trainer.reward_metrics() == {"reward_jpeg_incompressibility": 1.0}
+
+
+def test_each_terms_mean_is_logged_every_step_and_the_total_is_trained(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
+    )
+    trainer = trainer_for(model_dir, tmp_path, *WITH_TERMS, "steps=2", "checkpoint_every=2", setup=False)
+    trainer.train()
+    rows = rows_of(tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        incompressible, compressible = (
+            row["reward_jpeg_incompressibility"],
+            row["reward_jpeg_compressibility"],
+        )
+        assert incompressible > 0 > compressible  # kB, and minus kB at quality 90
+        assert row["reward"] == pytest.approx(incompressible + 0.5 * compressible, rel=1e-4)
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+def test_terms_load_with_defaults_and_survive_a_saved_config(tmp_path):
+    config = load_config("diffusion/branchgrpo", [*WITH_TERMS, "reward.normalize=group"])
+    assert config.reward.name is None
+    assert config.reward.terms == [
+        {"name": "jpeg_incompressibility", "weight": 1.0, "options": {}},
+        {"name": "jpeg_compressibility", "weight": 0.5, "options": {"quality": 90}},
+    ]
+    assert build(BranchGRPOConfig, to_dict(config)) == config  # config.yaml of a run reloads
+    plain = load_config("diffusion/branchgrpo")
+    assert (plain.reward.name, plain.reward.terms, plain.reward.normalize) == ("geneval_mini", None, "none")
+    assert build(BranchGRPOConfig, to_dict(plain)) == plain
+    weight_one = load_config("diffusion/nft", ["reward.name=null", "reward.terms=[{name: geneval_mini}]"])
+    assert weight_one.reward.terms == [{"name": "geneval_mini", "weight": 1.0, "options": {}}]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["reward.terms=[]"], r"reward.terms is an empty list"),
+        (
+            ["reward.terms=[{name: genevl_mini}]"],
+            r"reward.terms\[0\].name = 'genevl_mini'.*did you mean 'geneval_mini'",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: .nan}]"],
+            r"reward.terms\[0\].weight = nan is not a finite",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: -.inf}]"],
+            r"reward.terms\[0\].weight = -inf is not a finite",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: heavy}]"],
+            r"reward.terms\[0\].weight = 'heavy' is not a number",
+        ),
+        (["reward.terms=[{name: geneval_mini, weight: 0}]"], r"every weight is 0"),
+        (
+            ["reward.terms=[{name: geneval_mini}, {name: geneval_mini, weight: 2}]"],
+            r"reward.terms\[1\].name = 'geneval_mini' is already reward.terms\[0\]",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, wieght: 2}]"],
+            r"'reward.terms\[0\].wieght'.*did you mean 'reward.terms\[0\].weight'",
+        ),
+        (["reward.terms=[{weight: 2}]"], r"reward.terms\[0\].name is missing"),
+        (["reward.terms=[3]"], r"reward.terms\[0\] = 3 is not a mapping"),
+        (["reward.terms={name: geneval_mini}"], r"reward.terms = .* is not a list"),
+        (
+            ["reward.terms=[{name: geneval_mini, options: 3}]"],
+            r"reward.terms\[0\].options = 3 is not a mapping",
+        ),
+        (
+            ["reward.options={quality: 3}", "reward.terms=[geneval_mini]"],
+            r"reward.options = .* is given with reward.terms",
+        ),
+        (["reward.normalize=groups"], r"reward.normalize = 'groups' is not allowed.*did you mean 'group'"),
+        (
+            ["eval.gold_reward.name=shapes_stric"],
+            r"eval.gold_reward.name = 'shapes_stric'.*did you mean 'shapes_strict'",
+        ),
+        (
+            ["eval.gold_reward.nme=shapes_strict"],
+            r"'eval.gold_reward.nme'.*did you mean 'eval.gold_reward.name'",
+        ),
+        (["eval.gold_reward=[1]"], r"eval.gold_reward = \[1\] is not a mapping"),
+    ],
+)
+def test_bad_reward_lists_are_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("diffusion/branchgrpo", ["reward.name=null", *overrides])
+
+
+def test_name_and_terms_together_are_refused():
+    with pytest.raises(
+        ConfigError, match=r"reward.name = 'geneval_mini' and reward.terms are both given.*null"
+    ):
+        load_config("diffusion/branchgrpo", ["reward.terms=[{name: jpeg_compressibility}]"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [
+                *WITH_TERMS[:1],
+                "reward.terms=[{name: geneval_mini}, {name: jpeg_compressibility, options: {quality: 0}}]",
+            ],
+            r"reward.terms\[1\].options.quality = 0",
+        ),
+        (
+            [*WITH_TERMS[:1], "reward.terms=[{name: jpeg_compressibility, options: {qualty: 9}}]"],
+            r"reward.terms\[0\].options = \{'qualty': 9\}",
+        ),
+        (
+            ["eval.gold_reward={name: jpeg_compressibility, options: {quality: 500}}"],
+            r"eval.gold_reward.options.quality",
+        ),
+        (
+            ["eval.gold_reward=jpeg_incompressibility"],
+            r"eval.gold_reward.name = 'jpeg_incompressibility' is also a trained",
+        ),
+    ],
+)
+def test_reward_options_and_a_trained_gold_reward_fail_at_setup_naming_the_key(
+    model_dir, tmp_path, overrides, message
+):
+    trainer = trainer_for(model_dir, tmp_path, *overrides, setup=False)
+    with pytest.raises(ConfigError, match=message):
+        trainer.setup()
+
+
+# -- the gold reward and the reward-hacking flag ----------------------------------------------------
+
+
+def test_gold_reward_is_logged_at_every_evaluation(model_dir, tmp_path):
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        *WITH_TERMS,
+        "eval.gold_reward=shapes_strict",
+        "steps=2",
+        "eval_every=1",
+        "checkpoint_every=2",
+        setup=False,
+    )
+    trainer.train()
+    evals = json.loads((tmp_path / "eval.json").read_text())
+    expected = {
+        "heldout_alignment",
+        "heldout_jpeg_incompressibility",
+        "heldout_jpeg_compressibility",
+        "heldout_reward",
+        "heldout_gold",
+    }
+    for when in ("before", "after"):
+        assert set(evals[when]) == expected
+        assert 0.0 <= evals[when]["heldout_gold"] <= 1.0
+        terms = (
+            evals[when]["heldout_jpeg_incompressibility"] + 0.5 * evals[when]["heldout_jpeg_compressibility"]
+        )
+        assert evals[when]["heldout_reward"] == pytest.approx(terms)
+    rows = rows_of(tmp_path)
+    assert {f"eval_{key}" for key in expected} <= set(rows[0])  # eval_every=1: after step 1 of 2
+    assert isinstance(evals["divergence"]["reward_hacking_suspected"], bool)
+    assert evals["divergence"]["trained_metric"] == "heldout_reward"
+
+
+class ScriptedEvaluation:
+    """evaluate_alignment's stand-in: every call the trained rewards' held-out means move by
+    `trained_step` and the gold reward's by `gold_step`."""
+
+    def __init__(self, trained_step, gold_step):
+        self.calls, self.trained_step, self.gold_step = 0, trained_step, gold_step
+
+    def __call__(self, *args, rewards=None, **kwargs):
+        n, self.calls = self.calls, self.calls + 1
+        metrics = {"heldout_alignment": 0.5}
+        for key in rewards or {}:
+            step = self.gold_step if key == "gold" else self.trained_step
+            metrics[f"heldout_{key}"] = 1.0 + n * step
+        return metrics
+
+
+@pytest.mark.parametrize(
+    ("trained_step", "gold_step", "suspected"),
+    [(0.1, -0.05, True), (0.1, 0.05, False), (-0.1, -0.05, False), (0.0, -0.05, False)],
+)
+def test_divergence_of_trained_and_gold_rewards_is_flagged(
+    model_dir, tmp_path, monkeypatch, capsys, trained_step, gold_step, suspected
+):
+    evaluation = ScriptedEvaluation(trained_step, gold_step)
+    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        "eval.gold_reward={name: shapes_strict}",
+        "steps=2",
+        "eval_every=1",
+        "checkpoint_every=2",
+        setup=False,
+    )
+    trainer.train()
+    assert evaluation.calls == 3  # before, after step 1, after
+    record = json.loads((tmp_path / "eval.json").read_text())["divergence"]
+    assert record["reward_hacking_suspected"] is suspected
+    assert record["trained_metric"] == "heldout_jpeg_incompressibility"
+    assert record["trained_delta"] == pytest.approx(2 * trained_step)
+    assert record["gold_delta"] == pytest.approx(2 * gold_step)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "reward hacking suspected" in line]
+    assert len(warnings) == (1 if suspected else 0)
+    if suspected:
+        assert "heldout_jpeg_incompressibility rose by +0.2000" in warnings[0]
+        assert "shapes_strict (heldout_gold) fell by -0.1000" in warnings[0]
+
+
+def test_without_a_gold_reward_evaluation_and_eval_json_are_as_before(model_dir, tmp_path, monkeypatch):
+    calls = []
+
+    def evaluation(*args, **kwargs):
+        calls.append(kwargs)
+        return {"heldout_alignment": 0.5}
+
+    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
+    trainer = trainer_for(model_dir, tmp_path, "steps=1", "checkpoint_every=1", setup=False)
+    trainer.train()
+    assert calls == [{}, {}]  # no extra rewards asked for
+    assert json.loads((tmp_path / "eval.json").read_text()) == {
+        "before": {"heldout_alignment": 0.5},
+        "after": {"heldout_alignment": 0.5},
+    }
+
+
+def test_reward_hacking_record():
+    first = {"heldout_reward": 1.0, "heldout_gold": 0.5}
+    record = reward_hacking_record(
+        first, {"heldout_reward": 1.5, "heldout_gold": 0.25}, "heldout_reward", "heldout_gold"
+    )
+    assert record == {
+        "reward_hacking_suspected": True,
+        "trained_metric": "heldout_reward",
+        "trained_delta": 0.5,
+        "gold_metric": "heldout_gold",
+        "gold_delta": -0.25,
+    }
+    same = reward_hacking_record(first, first, "heldout_reward", "heldout_gold")
+    assert same["reward_hacking_suspected"] is False
+    assert reward_hacking_record(None, first, "heldout_reward", "heldout_gold") is None
+    assert reward_hacking_record(first, {"heldout_reward": 2.0}, "heldout_reward", "heldout_gold") is None
+
+
+# -- the strict scorer ------------------------------------------------------------------------------
+
+
+def scenes_and_prompts(n=36, seed=0):
+    rng = np.random.default_rng(seed)
+    specs = [sample_spec(rng, template) for template in ("count", "position", "pair") for _ in range(n // 3)]
+    return [scene_for_spec(spec, rng) for spec in specs], specs, rng
+
+
+def with_extra_object(scene, rng):
+    """The scene and one more object (a random kind) that touches none of its objects."""
+    while True:
+        (extra,) = sample_cluttered_scene(rng, max_objects=1).objects
+        if all(
+            np.hypot(extra.x - o.x, extra.y - o.y) > (extra.size + o.size) / 2 + 0.03 for o in scene.objects
+        ):
+            return Scene((*scene.objects, extra))
+
+
+def test_strict_scorer_ranks_clean_correct_images_above_speckled_noisy_and_extra_objects():
+    scenes, specs, rng = scenes_and_prompts()
+    clean = render_batch(scenes)
+    generator = torch.Generator().manual_seed(0)
+    speckle = torch.rand(clean.shape[0], 1, 32, 32, generator=generator) < 0.06
+    speckled = torch.where(speckle, torch.rand(clean.shape, generator=generator), clean)
+    noisy = (clean + 0.08 * torch.randn(clean.shape, generator=generator)).clamp(0, 1)
+    extra = render_batch([with_extra_object(scene, rng) for scene in scenes])
+    clean_checks = strict_checks(clean, specs)
+    assert clean_checks["count"].eq(1).all() and clean_checks["background"].eq(1).all()
+    assert clean_checks["score"].mean() > 0.85
+    for name, images in {"speckled": speckled, "noisy": noisy, "extra object": extra}.items():
+        checks = strict_checks(images, specs)
+        assert (checks["score"] < clean_checks["score"]).all(), name  # every image ranks below its clean one
+        assert checks["score"].mean() < clean_checks["score"].mean() - 0.1, name
+    assert strict_checks(extra, specs)["count"].eq(0.5).all()  # one object too many
+    assert (strict_checks(speckled, specs)["background"] < 1).all()
+    # geneval_mini lets most of the pixel noise and of the extra objects slide
+    geneval = load_scorer()
+    for images in (noisy, extra):
+        geneval_drop = geneval.score(clean, specs).mean() - geneval.score(images, specs).mean()
+        strict_drop = clean_checks["score"].mean() - strict_checks(images, specs)["score"].mean()
+        assert strict_drop > 2 * geneval_drop
+
+
+def test_strict_scorer_as_a_reward_takes_prompts_lists_and_other_sizes():
+    scenes, specs, _ = scenes_and_prompts(n=6)
+    prompts = [prompt_text(spec) for spec in specs]
+    strict = REWARDS.get("shapes_strict")()
+    clean = render_batch(scenes)
+    scores = strict(clean, prompts=prompts)
+    assert scores.shape == (6,) and scores.dtype == torch.float32
+    torch.testing.assert_close(scores, strict_checks(clean, specs)["score"])
+    torch.testing.assert_close(strict(list(clean), prompts=prompts), scores)
+    larger = torch.stack([render(scene, 64) for scene in scenes])  # drawn at 64 px, scored as drawn
+    assert strict(larger, prompts=prompts).mean() > 0.85
+    blank = torch.full((6, 3, 32, 32), 0.12)
+    assert strict(blank, prompts=prompts).max() == 0.0  # no object, no credit
+    with pytest.raises(ValueError, match="unknown word"):
+        strict(clean[:1], prompts=["a red dog"])
