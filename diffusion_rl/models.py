@@ -2,10 +2,15 @@
 
 `FlowPipeline` holds a diffusers denoiser, the text encoding and optionally a VAE. Every model is
 driven as a flow-matching model: x_sigma = (1 - sigma) * x0 + sigma * noise, v = noise - x0, with
-sigma from 1 (noise) to 0 (data). Two families plug in:
+sigma from 1 (noise) to 0 (data). Three families plug in:
 
 - flow transformers (SD3Transformer2DModel; FlowMatchEulerDiscreteScheduler), which predict the
   velocity (or, for the tiny pixel-space model, optionally the clean sample);
+- FLUX.1 transformers (FluxTransformer2DModel; FluxPipeline), which predict the velocity of packed
+  latents. The trainers see plain [C, H, W] latents (`latent_shape`); every model call packs them
+  into FLUX's 2x2 patch tokens with their position ids and unpacks the output (`_call_flux`). The sigma
+  schedule is FluxPipeline's: the scheduler's resolution-dependent shift (mu, from the number of
+  image tokens). `guidance_scale` is FLUX.1-dev's embedded guidance (see `FlowPipeline.velocity`);
 - DDPM/DDIM UNets (UNet2DConditionModel, SD1.x style; any scheduler with `alphas_cumprod`), which
   predict noise (epsilon) or v. They are run through the exact change of variables of
   `diffusion_rl.sde.flow_to_vp`, under which DDIM (eta = 0) is the Euler step, so the trainers,
@@ -16,7 +21,7 @@ The trainer needs `encode_prompts`, `velocity` (with classifier-free guidance), 
 and the trainable `denoiser`. Two storage layouts are read by `from_pretrained`: the project's own
 (the tiny pixel-space default: ``transformer/``, ``text_encoder/``, ``tokenizer/``, optionally
 ``vae/``, and ``mmrl_pipeline.json``) and any local diffusers pipeline directory
-(``model_index.json``: StableDiffusion3Pipeline or StableDiffusionPipeline), whose own
+(``model_index.json``: StableDiffusion3Pipeline, FluxPipeline or StableDiffusionPipeline), whose own
 ``encode_prompt`` builds the conditioning. Everything is stored as safetensors.
 
 A LoRA result (``save_lora_weights``; a run's ``final/`` with ``model.lora_rank > 0``) is a third
@@ -39,9 +44,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from safetensors import SafetensorError, safe_open
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Tokenizer
 
 from diffusion_rl.sde import flow_to_vp, shifted_sigmas
 from mmrl.config import ConfigError, describe_saved_model, read_json_object, shipped_path
@@ -68,8 +73,20 @@ REMAKE = (
 
 
 SUPPORTED_PIPELINES = (
-    "FlowPipeline takes SD3-style pipelines (SD3Transformer2DModel, two or three text encoders) and "
+    "FlowPipeline takes SD3-style pipelines (SD3Transformer2DModel, two or three text encoders), "
+    "FLUX.1-style text-to-image pipelines (FluxTransformer2DModel, CLIP and T5 text encoders, VAE) and "
     "SD1.x-style pipelines (UNet2DConditionModel, CLIP text encoder, DDPM/DDIM-type scheduler)"
+)
+# what a FLUX pipeline needs besides its transformer: pooled CLIP and sequence T5 embeddings, a VAE
+FLUX_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+WORD_START = "\u2581"  # SentencePiece's mark before every word, as T5 tokenizers write it
+FLUX_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default (and limit) for the T5 prompt tokens
+# FlowMatchEulerDiscreteScheduler options that move the first sigma off 1; our steps start from noise
+FLUX_UNSUPPORTED_SCHEDULE = (
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "invert_sigmas",
 )
 
 
@@ -109,6 +126,42 @@ def build_clip_tokenizer(words: Sequence[str], max_length: int = 16) -> CLIPToke
                     symbols[i : i + 2] = [best[0] + best[1]]
                 i += 1
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def build_t5_tokenizer(words: Sequence[str], max_length: int = 16) -> T5Tokenizer:
+    """A T5 (Unigram) tokenizer for tiny FLUX pipelines whose vocabulary holds every word in `words`
+    as one token (WORD_START + word): <pad> = 0, </s> = 1 (ends every prompt), <unk> = 2, the bare
+    WORD_START, the words, then single characters, which other words fall back to. Nothing is
+    downloaded; `save_pretrained` writes tokenizer.json, which FluxPipeline.from_pretrained reads."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (WORD_START, -2.0)]
+    vocab += [(WORD_START + word, -1.0) for word in sorted(set(words)) if word]
+    vocab += [(c, -5.0) for c in alphabet]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+
+
+def pack_latents(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] latents as FLUX's tokens [B, (H/2)(W/2), 4C]: each 2x2 patch one token, row-major
+    (FluxPipeline._pack_latents)."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of `pack_latents`: tokens [B, (H/2)(W/2), 4C] as latents [B, C, H, W]
+    (FluxPipeline._unpack_latents, with the latent size given instead of the pixel size)."""
+    b, _, channels = tokens.shape
+    x = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, height, width)
+
+
+def latent_image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """FLUX's position ids of the packed tokens of a height x width latent: (0, row, column) per 2x2
+    patch, [(H/2)(W/2), 3] (FluxPipeline._prepare_latent_image_ids)."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -286,6 +339,15 @@ class FlowPipeline:
             StableDiffusionPipeline.save_lora_weights(
                 directory, unet_lora_layers=layers, unet_lora_adapter_metadata=config, safe_serialization=True
             )
+        elif self.is_flux:
+            from diffusers import FluxPipeline
+
+            FluxPipeline.save_lora_weights(
+                directory,
+                transformer_lora_layers=layers,
+                transformer_lora_adapter_metadata=config,
+                safe_serialization=True,
+            )
         else:
             from diffusers import StableDiffusion3Pipeline
 
@@ -393,6 +455,8 @@ class FlowPipeline:
         except LOAD_ERRORS as err:
             raise ConfigError(f"{directory}: the diffusers {name} does not load ({one_line(err)})") from None
         scheduler = pipeline.scheduler
+        if isinstance(getattr(pipeline, "transformer", None), FluxTransformer2DModel):
+            return cls.from_flux(Path(directory), pipeline)
         if isinstance(getattr(pipeline, "transformer", None), SD3Transformer2DModel) and hasattr(
             pipeline, "text_encoder_2"
         ):
@@ -423,6 +487,31 @@ class FlowPipeline:
             )
         raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
 
+    @classmethod
+    def from_flux(cls, directory: Path, pipeline: Any) -> FlowPipeline:
+        """A loaded diffusers FLUX pipeline, once its scheduler is a flow scheduler starting at sigma 1."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        scheduler = pipeline.scheduler
+        if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+            raise ConfigError(
+                f"{directory}: the FLUX pipeline's scheduler is a {type(scheduler).__name__}; FlowPipeline "
+                "drives FLUX with FlowMatchEulerDiscreteScheduler's sigmas (FluxPipeline's own scheduler)"
+            )
+        options = [name for name in FLUX_UNSUPPORTED_SCHEDULE if scheduler.config.get(name)]
+        if options:
+            raise ConfigError(
+                f"{directory}: the FLUX scheduler sets {', '.join(options)}, whose sigmas do not start at 1 "
+                "(pure noise), where every sampler here starts: set them to false in scheduler_config.json"
+            )
+        return cls(
+            pipeline.transformer,
+            vae=pipeline.vae,
+            shift=float(scheduler.config.get("shift", 1.0)),
+            scheduler=scheduler,
+            diffusers_pipeline=pipeline,
+        )
+
     def to(self, device: torch.device | str) -> FlowPipeline:
         if self.diffusers_pipeline is not None:
             self.diffusers_pipeline.to(device)
@@ -438,6 +527,17 @@ class FlowPipeline:
     @property
     def is_unet(self) -> bool:
         return isinstance(self.denoiser, UNet2DConditionModel)
+
+    @property
+    def is_flux(self) -> bool:
+        """A FLUX transformer: packed 2x2 latent tokens, CLIP pooled and T5 sequence conditioning."""
+        return isinstance(self.denoiser, FluxTransformer2DModel)
+
+    @property
+    def guidance_embedded(self) -> bool:
+        """Guidance is an input of the denoiser (FLUX.1-dev's guidance embedding), not classifier-free
+        guidance: `velocity` passes `guidance_scale` to the model in one pass and never uses `uncond`."""
+        return self.is_flux and bool(self.denoiser.config.guidance_embeds)
 
     @property
     def denoiser_folder(self) -> str:
@@ -456,6 +556,9 @@ class FlowPipeline:
         if self.is_unet:
             step = 2 ** (len(config.block_out_channels) - 1) * self.vae_scale
             largest, what = None, f"{len(config.block_out_channels) - 1} UNet downsamplings"
+        elif self.is_flux:
+            step = 2 * self.vae_scale
+            largest, what = None, "FLUX packs 2 x 2 latent cells into one token"
         else:
             step = config.patch_size * self.vae_scale
             largest, what = config.pos_embed_max_size * step, f"patch size {config.patch_size}"
@@ -468,13 +571,23 @@ class FlowPipeline:
         self.image_size = size
 
     def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the latents the trainers hold; for FLUX unpacked (C = the transformer's input
+        channels / 4), its default size FluxPipeline's (default_sample_size latent cells a side)."""
         config = self.denoiser.config
+        if self.is_flux:
+            default = self.diffusers_pipeline.default_sample_size * self.vae_scale
+            side = getattr(self, "image_size", default) // self.vae_scale
+            return (config.in_channels // 4, side, side)
         side = getattr(self, "image_size", config.sample_size * self.vae_scale) // self.vae_scale
         return (config.in_channels, side, side)
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """steps + 1 noise levels from the start of sampling down to 0: the shifted flow schedule, or
-        for a DDPM/DDIM model its scheduler's own timesteps mapped to flow noise levels."""
+        for a DDPM/DDIM model its scheduler's own timesteps mapped to flow noise levels; for FLUX,
+        FluxPipeline's: linear sigmas through its scheduler, shifted by mu = calculate_shift(number of
+        image tokens) (exp(mu) / (exp(mu) + 1 / sigma - 1) with dynamic shifting), then 0."""
+        if self.is_flux:
+            return self._flux_sigmas(steps)
         if not self.is_vp:
             return shifted_sigmas(steps, self.shift, device=self.device)
         scheduler = copy.deepcopy(self.scheduler)
@@ -483,6 +596,36 @@ class FlowPipeline:
         ratio = ((1 - alpha_bar) / alpha_bar).sqrt()  # sigma / (1 - sigma)
         sigmas = torch.cat([ratio / (1 + ratio), torch.zeros(1, dtype=torch.float64)])
         return sigmas.to(torch.float32).to(self.device)
+
+    def _flux_sigmas(self, steps: int) -> torch.Tensor:
+        """FluxPipeline.__call__'s schedule (step 5) at this pipeline's image size."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        if steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {steps}")
+        _, height, width = self.latent_shape()
+        scheduler = copy.deepcopy(self.scheduler)
+        config = scheduler.config
+        mu = calculate_shift(
+            (height // 2) * (width // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        if sigmas is None:
+            scheduler.set_timesteps(steps, mu=mu)
+        else:
+            scheduler.set_timesteps(sigmas=sigmas, mu=mu)
+        return scheduler.sigmas.to(dtype=torch.float32, device=self.device)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5 prompt tokens of a FLUX pipeline: FluxPipeline's default of 512, or fewer where the T5
+        tokenizer's model_max_length is smaller."""
+        tokenizer = self.diffusers_pipeline.tokenizer_2
+        return min(FLUX_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
@@ -503,6 +646,14 @@ class FlowPipeline:
         if self.is_unet:
             embeds, _ = pipeline.encode_prompt(prompts, self.device, 1, False)
             return Conditioning(embeds, None)
+        if self.is_flux:  # T5 sequence embeddings and the pooled CLIP vector; text ids are all zero
+            embeds, pooled, _ = pipeline.encode_prompt(
+                prompt=prompts,
+                prompt_2=None,
+                device=self.device,
+                max_sequence_length=self.max_sequence_length,
+            )
+            return Conditioning(embeds, pooled)
         embeds, _, pooled, _ = pipeline.encode_prompt(
             prompt=prompts,
             prompt_2=None,
@@ -524,8 +675,17 @@ class FlowPipeline:
         """Predicted velocity at noise level `sigma` [B]; with guidance_scale != 1, classifier-free
         guidance against `uncond` (the empty prompt). Guidance on the velocity equals guidance on the
         network output, which the velocity is affine in. `denoiser` overrides the module called (its
-        DDP wrapper while training, a frozen reference)."""
+        DDP wrapper while training, a frozen reference).
+
+        FLUX: `x` is unpacked ([B, C, H, W], `latent_shape`) and so is the velocity. A guidance-distilled
+        model (FLUX.1-dev, `guidance_embeds`; `guidance_embedded`) takes `guidance_scale` as its
+        embedded guidance, whatever its value (1.0 included), in one pass without `uncond`, as
+        FluxPipeline(guidance_scale=g). A FLUX model without the embedding (FLUX.1-schnell) is guided
+        like any other: guidance_scale 1 is none (FluxPipeline's default there), another value is
+        classifier-free guidance against `uncond`, as FluxPipeline(true_cfg_scale=g, negative_prompt="")."""
         model = denoiser or self.denoiser
+        if self.guidance_embedded:
+            return self._velocity(model, x, sigma, cond, guidance_scale)
         if guidance_scale == 1.0:
             return self._velocity(model, x, sigma, cond)
         if uncond is None:
@@ -535,9 +695,16 @@ class FlowPipeline:
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     def _velocity(
-        self, model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        guidance: float | None = None,
     ) -> torch.Tensor:
         shape = (-1, *([1] * (x.dim() - 1)))
+        if self.is_flux:
+            return self._call_flux(model, x, sigma * 1000.0, cond, guidance)
         if not self.is_vp:
             out = self._call(model, x, sigma * 1000.0, cond)
             if self.prediction == "velocity":
@@ -569,6 +736,33 @@ class FlowPipeline:
             encoder_hidden_states=cond.embeds,
             pooled_projections=cond.pooled,
         ).sample
+
+    def _call_flux(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance: float | None,
+    ) -> torch.Tensor:
+        """FluxPipeline's transformer call on latents `x` [B, C, H, W], packed for it and its output
+        unpacked: the timestep (in 0..1000, as the scheduler's) divided by 1000 (the transformer
+        multiplies it and the guidance by 1000 again), the embedded guidance for a guidance-distilled
+        model, position ids of the image tokens and all-zero ids for the text tokens."""
+        b, _, height, width = x.shape
+        embedded = None
+        if self.guidance_embedded:
+            embedded = torch.full((b,), float(guidance), device=x.device, dtype=torch.float32)
+        out = model(
+            hidden_states=pack_latents(x),
+            timestep=timestep.to(device=x.device, dtype=x.dtype) / 1000,
+            guidance=embedded,
+            pooled_projections=cond.pooled,
+            encoder_hidden_states=cond.embeds,
+            txt_ids=torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=x.dtype),
+            img_ids=latent_image_ids(height, width, x.device, x.dtype),
+        ).sample
+        return unpack_latents(out, height, width)
 
     def timestep_for(self, alpha_bar: torch.Tensor) -> torch.Tensor:
         """The (fractional) training timestep of a VP model with this alpha_bar, by log-SNR."""
@@ -684,12 +878,41 @@ def check_diffusers_layout(directory: Path) -> tuple[dict[str, Any], str]:
         )
     if classes.get("transformer") == SD3Transformer2DModel.__name__ and "text_encoder_2" in index:
         folder = "transformer"
+    elif classes.get("transformer") == FluxTransformer2DModel.__name__:
+        folder = "transformer"
+        check_flux_layout(directory, classes)
     elif classes.get("unet") == UNet2DConditionModel.__name__ and "text_encoder" in index:
         folder = "unet"
     else:
         raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
     read_json_object(directory / folder / "config.json", REMAKE)
     return index, folder
+
+
+def check_flux_layout(directory: Path, classes: dict[str, str]) -> None:
+    """A FLUX pipeline FlowPipeline can run: every part of FLUX_PARTS saved (not null), and a
+    text-to-image transformer, whose input tokens are 2 x 2 patches of the VAE's latents and whose
+    output is their velocity (Fill and Control transformers take extra conditioning channels)."""
+    missing = [part for part in FLUX_PARTS if part not in classes]
+    if missing:
+        raise ConfigError(
+            f"{directory}: the FLUX pipeline has no {', '.join(missing)} (null in model_index.json); "
+            "FlowPipeline needs its VAE, its CLIP text encoder (pooled embedding), its T5 text encoder "
+            "(text_encoder_2, the sequence embeddings) with their tokenizers and its scheduler: save the "
+            "whole pipeline"
+        )
+    config = read_json_object(directory / "transformer" / "config.json", REMAKE)
+    latent = read_json_object(directory / "vae" / "config.json", REMAKE).get("latent_channels")
+    channels = config.get("in_channels", 64)
+    out = config.get("out_channels") or channels
+    fits = isinstance(latent, int) and (channels, out) == (4 * latent, channels)
+    if config.get("patch_size", 1) != 1 or not fits:
+        raise ConfigError(
+            f"{directory}: the FLUX transformer takes {channels} input and gives {out} output channels per "
+            f"token (patch size {config.get('patch_size', 1)}) for a VAE of {latent} latent channels; "
+            f"FlowPipeline runs text-to-image FLUX only (patch size 1, 4 x {latent} channels in and out), "
+            "not Fill, Control or other conditioned variants"
+        )
 
 
 def lora_base(directory: Path, record: dict[str, Any]) -> Path:
