@@ -1,13 +1,18 @@
-"""`mmrl bench diffusion`: flat GRPO vs BranchGRPO variants on the same model, side by side.
+"""`mmrl bench diffusion`: flat GRPO vs BranchGRPO variants, DiffusionNFT and Sol-RL on the same
+model, side by side.
 
-Every variant trains the same number of leaves per prompt (16) on the same prompts; the table
-prints model evaluations (NFE) and wall-clock per iteration as ratios to flat GRPO (16 samples per
-prompt, each from its own initial noise, as Flow-GRPO and DanceGRPO compute them; the DanceGRPO
-choice of one shared initial noise saves the first evaluation and is printed beside it), with the
-targets from the BranchGRPO paper, and the FP4 exploration pass's rollout time per candidate
-against full precision (emulated FP4 does the same matmuls as full precision, so on a CPU that ratio
-only shows the timing noise; it is reported as measured). The Mix row takes its untrained ODE
-stretches two steps per evaluation (`rollout.ode_stride=2`), as its recipe does.
+Every variant trains the same number of samples per prompt (16) on the same prompts with the same
+20-step schedule; the table prints full-precision model evaluations (NFE) and wall-clock per
+iteration as ratios to flat GRPO (16 samples per prompt, each from its own initial noise, as
+Flow-GRPO and DanceGRPO compute them; the DanceGRPO choice of one shared initial noise saves the
+first evaluation and is printed beside it), with the targets from the BranchGRPO paper where it has
+them. DiffusionNFT samples as its recipe does (deterministic ODE, no guidance: one model pass per
+evaluation where the GRPO variants make two) and trains on the clean samples; Sol-RL adds a pool of
+64 candidates per prompt in emulated NVFP4 with 10 steps (its low-precision evaluations are printed
+apart). Then the rollout time per candidate of each exploration pass against full precision
+(emulated FP4 does the same matmuls as full precision, so on a CPU those ratios only show the timing
+noise; they are reported as measured). The Mix row takes its untrained ODE stretches two steps per
+evaluation (`rollout.ode_stride=2`), as its recipe does.
 """
 
 from __future__ import annotations
@@ -20,41 +25,46 @@ from typing import Any
 import torch
 
 from diffusion_rl.branch_rollout import plan_for, rollout_trees
+from diffusion_rl.diffusion_trainer import DiffusionTrainer
 from diffusion_rl.models import FlowPipeline
+from diffusion_rl.nft_trainer import DiffusionNFTTrainer
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.bench_all import check_counts
 from mmrl.config import load_config
 from mmrl.precision import explore_precision
-from mmrl.registry import BENCHES
+from mmrl.registry import BENCHES, TRAINERS
 
 FLAT = ["rollout.split_steps=[0]", "rollout.branch_factor=16", "train.advantage=grpo"]
+NFT = ["rollout.steps=20", "rollout.group_size=16", "rollout.prompts_per_step=4"]
 VARIANTS = {
-    # name: (overrides, NFE target, wall-clock target) -- targets as ratios to the first row
-    "flat GRPO": (FLAT + ["rollout.shared_initial_noise=false"], None, None),
-    "flat, shared initial noise": (FLAT, None, None),
-    "BranchGRPO": ([], 0.65, 0.71),
-    "BranchGRPO depth-pruned": (["prune.depths=[4]"], 0.65, 0.45),
+    # name: (recipe, overrides, NFE target, wall-clock target) -- targets as ratios to the first row
+    "flat GRPO": ("diffusion/branchgrpo", FLAT + ["rollout.shared_initial_noise=false"], None, None),
+    "flat, shared initial noise": ("diffusion/branchgrpo", FLAT, None, None),
+    "BranchGRPO": ("diffusion/branchgrpo", [], 0.65, 0.71),
+    "BranchGRPO depth-pruned": ("diffusion/branchgrpo", ["prune.depths=[4]"], 0.65, 0.45),
     "BranchGRPO Mix": (
+        "diffusion/branchgrpo",
         ["rollout.sde_window=[0,2]", "rollout.ode_stride=2", "prune.depths=[4]"],
         0.65,
         0.21,
     ),
+    "DiffusionNFT": ("diffusion/nft", NFT, None, None),
+    "Sol-RL (NFT on 16 of 64)": ("diffusion/sol_rl", NFT + ["explore.steps=10"], None, None),
 }
 
 
-def _trainer(overrides: list[str], run_dir: str, model_dir: str) -> BranchGRPOTrainer:
+def _trainer(recipe: str, overrides: list[str], run_dir: str, model_dir: str) -> DiffusionTrainer:
     config = load_config(
-        "diffusion/branchgrpo",
-        [f"output_dir={run_dir}", f"model.path={model_dir}", "progress=false", *overrides],
+        recipe, [f"output_dir={run_dir}", f"model.path={model_dir}", "progress=false", *overrides]
     )
-    trainer = BranchGRPOTrainer(config)
+    trainer = TRAINERS.get(config.trainer)(config)
     trainer.seed_everything()
     trainer.setup()
     return trainer
 
 
-def _time_steps(trainers: dict[str, BranchGRPOTrainer], iterations: int) -> dict[str, dict[str, float]]:
+def _time_steps(trainers: dict[str, DiffusionTrainer], iterations: int) -> dict[str, dict[str, float]]:
     """Per variant: median seconds per iteration, median of its per-round time ratios to the first
     variant, and NFE per prompt, after one warm-up iteration. The variants take turns every round and
     each ratio divides two times of the same round, so a change in the machine's load between rounds
@@ -68,13 +78,14 @@ def _time_steps(trainers: dict[str, BranchGRPOTrainer], iterations: int) -> dict
             start = time.perf_counter()
             metrics = trainer.train_step(step)
             times[name].append(time.perf_counter() - start)
-            nfe[name] = float(metrics["nfe"])
+            nfe[name] = (float(metrics["nfe"]), float(metrics.get("explore_nfe", 0.0)))
     base = times[next(iter(trainers))]
     return {
         name: {
             "seconds": statistics.median(times[name]),
             "time_ratio": statistics.median(t / b for t, b in zip(times[name], base, strict=True)),
-            "nfe": nfe[name],
+            "nfe": nfe[name][0],
+            "low_precision_nfe": nfe[name][1],
         }
         for name in trainers
     }
@@ -96,15 +107,20 @@ def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
         # tree shapes and what each variant trains, not from the weights.
         FlowPipeline.tiny(vocabulary()).save_pretrained(f"{tmp}/model")
         trainers = {
-            name: _trainer(overrides, f"{tmp}/{i}", f"{tmp}/model")
-            for i, (name, (overrides, _, _)) in enumerate(VARIANTS.items())
+            name: _trainer(recipe, overrides, f"{tmp}/{i}", f"{tmp}/model")
+            for i, (name, (recipe, overrides, _, _)) in enumerate(VARIANTS.items())
         }
         timed = _time_steps(trainers, iterations)
-        for name, (_, nfe_target, time_target) in VARIANTS.items():
+        for name, (_, _, nfe_target, time_target) in VARIANTS.items():
             rows.append(
                 {"variant": name, **timed[name], "nfe_target": nfe_target, "time_target": time_target}
             )
-        fp4 = _explore_timing(_trainer([], f"{tmp}/fp4", f"{tmp}/model"), iterations)
+        pools = {
+            "BranchGRPO + FP4 trees": _explore_timing(
+                _trainer("diffusion/branchgrpo", [], f"{tmp}/fp4", f"{tmp}/model"), iterations
+            ),
+            "Sol-RL pool": _pool_timing(trainers["Sol-RL (NFT on 16 of 64)"], iterations),
+        }
     base = rows[0]
     print(
         f"{'variant':<26}{'NFE/prompt':>11}{'NFE ratio':>11}  {'verdict':<18}"
@@ -117,18 +133,21 @@ def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
             f"{_verdict(row['nfe_ratio'], row['nfe_target']):<18}"
             f"{row['seconds']:>8.2f}{row['time_ratio']:>11.3f}x  "
             f"{_verdict(row['time_ratio'], row['time_target'])}"
+            + (f"  (+{row['low_precision_nfe']:.0f} low-precision NFE)" if row["low_precision_nfe"] else "")
         )
-    print(
-        f"\nFP4 exploration rollout, seconds per candidate ({fp4['device']}): full precision "
-        f"{fp4['full']:.4f}, {fp4['precision']} {fp4['low']:.4f} -> ratio {fp4['low'] / fp4['full']:.2f}x"
-        + (
-            " (emulated: the weights are quantised once per pass and the matmuls stay in full precision,"
-            " so this ratio is the same work timed twice; real FP4 kernels need a GPU)"
-            if fp4["precision"].endswith("emulated")
-            else ""
+    for name, pool in pools.items():
+        print(
+            f"\n{name}, rollout seconds per candidate ({pool['device']}): full precision "
+            f"{pool['full']:.4f}, {pool['precision']} {pool['low']:.4f} -> ratio "
+            f"{pool['low'] / pool['full']:.2f}x"
+            + (
+                " (emulated: the weights are quantised once per pass and the matmuls stay in full "
+                "precision, so this ratio is the same work timed twice; real FP4 kernels need a GPU)"
+                if pool["precision"].endswith("emulated")
+                else ""
+            )
         )
-    )
-    rows.append({"variant": "fp4 explore", **fp4})
+        rows.append({"variant": f"{name} explore", **pool})
     return rows
 
 
@@ -146,6 +165,28 @@ def _explore_timing(trainer: BranchGRPOTrainer, iterations: int) -> dict[str, An
         start = time.perf_counter()
         rollout_trees(trainer.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, 0)
         return (time.perf_counter() - start) / leaves
+
+    run()
+    full = statistics.median(run() for _ in range(iterations))
+    with explore_precision(trainer.pipe.denoiser, cfg.explore.precision):
+        run()
+        low = statistics.median(run() for _ in range(iterations))
+    return {"full": full, "low": low, "precision": cfg.explore.precision, "device": str(trainer.pipe.device)}
+
+
+def _pool_timing(trainer: DiffusionNFTTrainer, iterations: int) -> dict[str, Any]:
+    """Rollout seconds per candidate of Sol-RL's pool (its plan: pool size and exploration steps, no
+    guidance), quantised vs full precision."""
+    cfg = trainer.config
+    prompts = trainer.prompts[: cfg.rollout.prompts_per_step]
+    ids = list(range(len(prompts)))
+    cond = trainer.pipe.encode_prompts(prompts)
+    uncond = trainer.uncond_one[[0] * len(prompts)]
+
+    def run() -> float:
+        start = time.perf_counter()
+        rollout_trees(trainer.pipe, cond, uncond, ids, trainer.pool_plan, trainer.pool_sampling, cfg.seed, 0)
+        return (time.perf_counter() - start) / (cfg.explore.pool * len(prompts))
 
     run()
     full = statistics.median(run() for _ in range(iterations))

@@ -16,7 +16,8 @@ One training step, read top to bottom in `DiffusionNFTTrainer.train_step`:
 4. each clean sample x0 is noised at `train.timesteps_per_sample` levels t ~ U(0, 1),
    x_t = (1 - t) x0 + t eps, and the loss (`train.loss`, `mmrl.losses.diffusion_nft`) pulls the implicit
    positive policy (old + beta (trained - old)) towards x0 with weight r and the implicit negative one
-   (old - beta (trained - old)) with weight 1 - r; guidance is never used in training;
+   (old - beta (trained - old)) with weight 1 - r; classifier-free guidance is never used in
+   training (a guidance-distilled model, FLUX.1-dev, trains at the embedded guidance it sampled with);
 5. the old policy moves towards the trained one by an EMA whose decay follows
    `train.old_decay_start / old_decay_rate / old_decay_max`.
 
@@ -196,15 +197,24 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         rows = torch.arange(len(clean), device=clean.device).repeat_interleave(per_sample)
         return x0, t, x_t, rows
 
+    def velocity(
+        self, denoiser: torch.nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """The velocity the update trains: without classifier-free guidance, but for a guidance-distilled
+        model (FLUX.1-dev) at the embedded guidance the rollouts sampled with, whose policy it is."""
+        embedded = self.pipe.guidance_embedded
+        guidance = self.config.rollout.guidance_scale if embedded else 1.0
+        return self.pipe.velocity(x_t, t, cond, guidance, denoiser=denoiser)
+
     @torch.no_grad()
     def velocities(
         self, denoiser: torch.nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: Conditioning
     ) -> torch.Tensor:
-        """Unguided velocities of `denoiser` at every noised sample, a micro-batch at a time."""
+        """`velocity` of `denoiser` at every noised sample, a micro-batch at a time, without gradients."""
         size = self.config.train.micro_batch
         return torch.cat(
             [
-                self.pipe.velocity(x_t[i : i + size], t[i : i + size], cond[i : i + size], denoiser=denoiser)
+                self.velocity(denoiser, x_t[i : i + size], t[i : i + size], cond[i : i + size])
                 for i in range(0, len(x_t), size)
             ]
         )
@@ -235,7 +245,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
             self.optimizer.zero_grad(set_to_none=True)
             for start in range(0, len(minibatch), cfg.micro_batch):
                 index = minibatch[start : start + cfg.micro_batch]
-                velocity = self.pipe.velocity(x_t[index], t[index], cond[index], denoiser=self.model)
+                velocity = self.velocity(self.model, x_t[index], t[index], cond[index])
                 out = self.loss_fn(
                     velocity,
                     old_velocity[index],

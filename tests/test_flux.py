@@ -27,7 +27,7 @@ from diffusion_rl.models import (
 from diffusion_rl.sde import initial_noise_std, ode_step
 from diffusion_rl.shapes import vocabulary
 from mmrl.cli import load_checked_config, load_plugins, main
-from mmrl.config import ConfigError
+from mmrl.config import ConfigError, load_config
 from mmrl.registry import TRAINERS
 
 load_plugins()
@@ -350,3 +350,35 @@ def test_flux_pipelines_we_cannot_run_are_refused(tmp_path):
     config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"use_karras_sigmas": True}))
     with pytest.raises(ConfigError, match="use_karras_sigmas"):
         FlowPipeline.from_pretrained(karras)
+
+
+def test_nft_trains_a_guidance_distilled_model_at_the_guidance_it_sampled_with(flux_dirs, tmp_path):
+    """FLUX.1-dev's guidance is an input, not classifier-free guidance: the NFT update's velocity is the
+    one the rollouts sampled with (embedded guidance 3.5); a schnell-style model trains unguided."""
+    from diffusion_rl.nft_trainer import DiffusionNFTTrainer
+
+    for name, expected_guidance in (("dev", 3.5), ("schnell", 1.0)):
+        config = load_config(
+            "diffusion/nft",
+            [
+                f"model.path={flux_dirs[name]}",
+                f"output_dir={tmp_path / name}",
+                "progress=false",
+                "rollout.prompts_per_step=1",
+                "rollout.group_size=2",
+                "rollout.steps=2",
+                "rollout.guidance_scale=3.5",
+                "rollout.image_size=32",
+            ],
+        )
+        trainer = DiffusionNFTTrainer(config)
+        trainer.seed_everything()
+        trainer.setup()
+        x = torch.randn(1, *trainer.pipe.latent_shape())
+        t, cond = torch.tensor([0.4]), trainer.pipe.encode_prompts(["a red square"])
+        with torch.no_grad():
+            got = trainer.velocity(trainer.pipe.denoiser, x, t, cond)
+            want = trainer.pipe.velocity(x, t, cond, expected_guidance)
+        assert torch.equal(got, want)
+        if name == "dev":  # the embedded guidance changes the velocity: the check can fail
+            assert not torch.equal(got, trainer.pipe.velocity(x, t, cond, 1.0))
