@@ -387,7 +387,7 @@ class DiffusionTrainer(Trainer):
         if record["reward_hacking_suspected"]:
             gold = self.config.eval.gold_reward["name"]
             print(
-                f"warning: reward hacking suspected: held-out {record['trained_metric']} rose by "
+                f"warning: reward hacking suspected: the trained reward's {record['trained_metric']} rose by "
                 f"{record['trained_delta']:+.4f} while the gold reward {gold} (heldout_gold) fell by "
                 f"{record['gold_delta']:+.4f} from the first to the last evaluation; inspect the samples "
                 f"in {self.samples_dir} (eval.json: {DIVERGENCE_KEY})",

@@ -372,7 +372,7 @@ def test_divergence_of_trained_and_gold_rewards_is_flagged(
     warnings = [line for line in capsys.readouterr().err.splitlines() if "reward hacking suspected" in line]
     assert len(warnings) == (1 if suspected else 0)
     if suspected:
-        assert "heldout_jpeg_incompressibility rose by +0.2000" in warnings[0]
+        assert "trained reward's heldout_jpeg_incompressibility rose by +0.2000" in warnings[0]
         assert "shapes_strict (heldout_gold) fell by -0.1000" in warnings[0]
 
 
