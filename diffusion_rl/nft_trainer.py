@@ -127,6 +127,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         rewards, images = self.score(trees, clean, prompts)
         if not torch.isfinite(rewards).all():
             self.skip_step("non-finite reward", cfg.train.nan_patience)
+        metrics.update(self.reward_metrics())
         if kept is not None:
             metrics["kendall_tau_lowp_vs_full"] = rank_agreement(kept, trees, rewards)
 

@@ -134,6 +134,19 @@ def test_noised_samples_are_keyed_and_on_the_flow_path(model_dir, tmp_path):
     assert not torch.equal(trainer.noised(clean, [5, 9], step=5)[2], x_t)
 
 
+def test_several_rewards_are_logged_each(model_dir, tmp_path):
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        "reward.name=null",
+        "reward.terms=[{name: jpeg_incompressibility, weight: 1.0},"
+        " {name: jpeg_compressibility, weight: 0.5}]",
+    )
+    metrics = trainer.train_step(0)
+    high, low = metrics["reward_jpeg_incompressibility"], metrics["reward_jpeg_compressibility"]
+    assert float(metrics["reward"]) == pytest.approx(high + 0.5 * low, rel=1e-5)
+
+
 def test_groups_the_sampler_drops_are_not_trained(model_dir, tmp_path, monkeypatch):
     trainer = trainer_for(model_dir, tmp_path, "train.sampler=dynamic_filter")
     trainer.reward_fn = lambda images, prompts: torch.zeros(len(images))  # equal rewards: every group dropped
