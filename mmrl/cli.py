@@ -194,11 +194,26 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="turn a run directory into an HTML page, or compare runs in one plot",
         description="Write RUN_DIR/report.html with metric curves and sample grids. With --compare, "
-        "plot the held-out metric of several runs against wall-clock and model evaluations.",
+        "plot the held-out metric of several runs against wall-clock and, as logged, denoiser "
+        "evaluations (NFE) or environment steps, and write its numbers to the PNG's name with .json. "
+        "Runs whose config.yaml differs only in seed and output_dir are seeds of one method: drawn "
+        "once, as the mean over seeds with a band (min-max for 2 seeds, mean +- std from 3).",
     )
     report.add_argument("run_dir", nargs="+", help="run directory (several with --compare)")
     report.add_argument("--compare", metavar="PNG", help="write a comparison plot of the runs to PNG")
-    report.add_argument("--metric", default="heldout_alignment", help="held-out metric to compare")
+    report.add_argument(
+        "--metric",
+        default="heldout_alignment",
+        help="held-out metric to compare (eval.json and eval_<metric> in metrics.jsonl), e.g. "
+        "success_rate for robot runs",
+    )
+    report.add_argument(
+        "--label",
+        action="append",
+        metavar="NAME",
+        help="with --compare, a method's legend label; once per method, in the order its first run is "
+        "given (default: the common prefix of its run directory names)",
+    )
     report.set_defaults(rest="run_dir")
 
     sub.add_parser(
@@ -311,8 +326,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from mmrl.report import compare_runs, write_report
 
     if args.compare:
-        print(compare_runs(args.run_dir, args.metric, args.compare))
+        png = compare_runs(args.run_dir, args.metric, args.compare, args.label)
+        print(png)
+        print(png.with_suffix(".json"))
         return 0
+    if args.label:
+        raise ConfigError("--label names the methods of a comparison: pass --compare PNG with it")
     if len(args.run_dir) > 1:
         raise ConfigError("mmrl report takes one run directory; pass --compare PNG to compare several")
     print(write_report(args.run_dir[0]))

@@ -188,3 +188,257 @@ def test_browser_renders_the_rising_curve(tmp_path):
     # image rows grow downwards, so a rising line has x and y strongly anti-correlated
     assert np.corrcoef(xs, ys)[0, 1] < -0.9
     assert xs.max() - xs.min() > 150 and ys.max() - ys.min() > 80
+
+
+# ------------------------------------------------------------------------------- --compare
+
+
+def seed_run(
+    run: Path,
+    seed: int,
+    evals: dict[int, float],
+    *,
+    steps: int = 4,
+    config: str = "trainer: branch_grpo\nrollout:\n  steps: 8\n",
+    metric: str = "heldout_alignment",
+    **per_step: list[float],
+) -> str:
+    """A finished run as a trainer leaves it: config.yaml (with its seed and output_dir), a metrics row
+    per step (`per_step` lists give a metric's value at each step) with eval_<metric> at the steps of
+    `evals` other than 0 and `steps`, and eval.json with `evals[0]` before and `evals[steps]` after."""
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"{config}seed: {seed}\noutput_dir: {run}\nresume: false\n")
+    rows = []
+    for step in range(1, steps + 1):
+        row: dict = {"step": step, "loss": 0.5}
+        row.update({name: values[step - 1] for name, values in per_step.items()})
+        if step in evals and step != steps:
+            row[f"eval_{metric}"] = evals[step]
+        rows.append(row)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = {"before": {metric: evals[0], "n": 8}, "after": {metric: evals[steps], "n": 8}}
+    (run / "eval.json").write_text(json.dumps(record))
+    return str(run)
+
+
+def drawn(monkeypatch) -> list:
+    """The figures compare_runs closes, kept to look at what was drawn."""
+    figures = []
+    monkeypatch.setattr(report.plt, "close", figures.append)
+    return figures
+
+
+def test_compare_draws_each_method_once_with_its_spread_over_seeds(tmp_path, monkeypatch):
+    # two methods (configs differ in rollout.steps) x 3 seeds; seeds differ in seed and output_dir only
+    runs = []
+    for seed, (mid, last), seconds in zip(
+        range(3), [(0.3, 0.5), (0.4, 0.6), (0.5, 0.9)], [1, 2, 3], strict=True
+    ):
+        runs.append(
+            seed_run(
+                tmp_path / f"flat_s{seed}",
+                seed,
+                {0: 0.1, 2: mid, 4: last},
+                step_seconds=[seconds] * 4,
+                nfe=[8.0] * 4,
+            )
+        )
+    for seed in range(3):
+        runs.append(
+            seed_run(
+                tmp_path / f"branch_s{seed}",
+                seed,
+                {0: 0.1, 2: 0.2, 4: 0.3 + 0.1 * seed},
+                config="trainer: branch_grpo\nrollout:\n  steps: 16\n",
+                step_seconds=[0.5] * 4,
+                nfe=[4.0] * 4,
+            )
+        )
+    figures = drawn(monkeypatch)
+    png = tmp_path / "out" / "compare.png"
+    assert main(["report", *runs, "--compare", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    numbers = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert numbers["metric"] == "heldout_alignment"
+    assert list(numbers["x_axes"]) == ["wall_clock_s", "nfe"]  # nobody explored: no all-NFE panel
+
+    flat, branch = numbers["methods"]
+    assert (flat["label"], branch["label"]) == ("flat", "branch")
+    assert flat["n"] == branch["n"] == 3 and flat["seeds"] == [0, 1, 2]
+    assert flat["runs"] == runs[:3] and flat["band"] == "mean +- std"
+    assert [p["step"] for p in flat["points"]] == [0, 2, 4]
+    mid = flat["points"][1]
+    # wall-clock: 2 steps of 1, 2 and 3 s -> 2, 4, 6 s, mean 4; nfe the same for every seed
+    assert mid["x"] == {"wall_clock_s": pytest.approx(4.0), "nfe": pytest.approx(16.0)}
+    assert mid["values"] == [0.3, 0.4, 0.5]
+    assert mid["mean"] == pytest.approx(0.4) and mid["std"] == pytest.approx(0.1)
+    assert (mid["min"], mid["max"]) == (0.3, 0.5)
+    assert flat["points"][0]["std"] == 0.0  # equal seeds: exactly no spread
+    # final: values 0.5, 0.6, 0.9 -> mean 2/3, std sqrt(((-1/6)^2 + (-1/15)^2 + (7/30)^2) / 2)
+    std = np.std([0.5, 0.6, 0.9], ddof=1)
+    half = 4.3027 * std / np.sqrt(3)
+    final = flat["final"]
+    assert final["step"] == 4 and final["n"] == 3 and final["t"] == 4.3027
+    assert final["mean"] == pytest.approx(2 / 3) and final["std"] == pytest.approx(std)
+    assert final["ci95"] == pytest.approx([2 / 3 - half, 2 / 3 + half])
+    assert flat["points"][-1]["x"]["wall_clock_s"] == pytest.approx(8.0)
+
+    # drawn: one line and one band per method in each panel, the legend names method, n and band
+    (figure,) = figures
+    panels = figure.axes
+    assert [ax.get_xlabel() for ax in panels] == [
+        "training wall-clock (s)\n(sum of step_seconds, mean over seeds)",
+        "full-precision denoiser evaluations per prompt\n(sum of nfe, mean over seeds)",
+    ]
+    for ax in panels:
+        assert len(ax.lines) == 2 and len(ax.collections) == 2
+    labels = [t.get_text() for t in panels[-1].get_legend().get_texts()]
+    assert labels == ["flat (n=3, band mean ± std)", "branch (n=3, band mean ± std)"]
+    band = panels[0].collections[0].get_paths()[0].vertices
+    assert band[:, 1].max() == pytest.approx(2 / 3 + std)  # the final point's mean + std
+
+
+def test_compare_two_seeds_draw_min_max_and_one_run_draws_alone(tmp_path, monkeypatch):
+    runs = [
+        seed_run(tmp_path / "a-seed1", 1, {0: 0.0, 4: 0.2}, nfe=[1.0] * 4),
+        seed_run(tmp_path / "a-seed2", 2, {0: 0.0, 4: 0.6}, nfe=[1.0] * 4),
+        seed_run(tmp_path / "lonely_s9", 9, {0: 0.0, 4: 0.5}, config="trainer: nft\n", nfe=[2.0] * 4),
+    ]
+    figures = drawn(monkeypatch)
+    report.compare_runs(runs, "heldout_alignment", tmp_path / "c.png")
+    pair, lonely = json.loads((tmp_path / "c.json").read_text())["methods"]
+    assert (pair["label"], pair["band"], pair["n"]) == ("a", "min-max", 2)
+    assert pair["final"]["ci95"] == pytest.approx([0.4 - 12.7062 * 0.2, 0.4 + 12.7062 * 0.2])
+    assert (lonely["label"], lonely["band"], lonely["n"]) == ("lonely_s9", None, 1)
+    assert lonely["final"] == {"step": 4, "n": 1, "mean": 0.5, "std": None, "t": None, "ci95": None}
+    assert lonely["points"][-1]["std"] is None
+    (ax,) = figures[0].axes  # no wall-clock logged: the NFE panel alone
+    assert len(ax.lines) == 2 and len(ax.collections) == 1  # the lone run has no band
+    band = ax.collections[0].get_paths()[0].vertices
+    assert band[:, 1].max() == pytest.approx(0.6) and band[:, 1].min() == pytest.approx(0.0)
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert texts == ["a (n=2, band min-max)", "lonely_s9 (n=1)"]
+
+
+def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
+    runs = [
+        seed_run(tmp_path / "m_s0", 0, {0: 0.1, 2: 0.2, 4: 0.3}),
+        seed_run(tmp_path / "m_s1", 1, {0: 0.1, 1: 0.2, 4: 0.3}),
+    ]
+    png = tmp_path / "out" / "c.png"
+    assert main(["report", *runs, "--compare", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert "m_s0" in err and "m_s1" in err and "[0, 2, 4] and [0, 1, 4]" in err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    with pytest.raises(report.ConfigError, match="different steps"):
+        report.compare_runs(runs, "heldout_alignment", png)
+
+
+def test_compare_panels_follow_what_the_runs_logged(tmp_path, monkeypatch):
+    plain = seed_run(tmp_path / "plain", 0, {0: 0.1, 4: 0.2}, step_seconds=[1.0] * 4, nfe=[8.0] * 4)
+    explored = seed_run(
+        tmp_path / "sol",
+        0,
+        {0: 0.1, 2: 0.3, 4: 0.4},
+        config="trainer: diffusion_nft\n",
+        step_seconds=[1.0] * 4,
+        nfe=[4.0] * 4,
+        explore_nfe=[10.0] * 4,
+    )
+    figures = drawn(monkeypatch)
+    report.compare_runs([plain, explored], "heldout_alignment", tmp_path / "c.png")
+    numbers = json.loads((tmp_path / "c.json").read_text())
+    assert list(numbers["x_axes"]) == ["wall_clock_s", "nfe", "all_nfe"]
+    plain_m, sol = numbers["methods"]
+    assert sol["points"][1]["x"] == {"wall_clock_s": 2.0, "nfe": 8.0, "all_nfe": 28.0}
+    assert plain_m["points"][1]["x"] == {"wall_clock_s": 4.0, "nfe": 32.0, "all_nfe": 32.0}
+    assert [len(ax.lines) for ax in figures[0].axes] == [2, 2, 2]
+    assert "explore_nfe" in figures[0].axes[2].get_xlabel()
+    # nothing but the step logged: the step axis, never one no run has
+    bare = seed_run(tmp_path / "bare", 0, {0: 0.1, 2: 0.2, 4: 0.3})
+    report.compare_runs([bare], "heldout_alignment", tmp_path / "bare.png")
+    numbers = json.loads((tmp_path / "bare.json").read_text())
+    assert list(numbers["x_axes"]) == ["step"]
+    assert [p["x"]["step"] for p in numbers["methods"][0]["points"]] == [0, 2, 4]
+
+
+def test_compare_robot_runs_against_env_steps(tmp_path, monkeypatch, capsys):
+    """vla trainers log env_steps as a running count and success_rate as their held-out metric (and
+    no step_seconds); a diffusion run beside them keeps its own panels."""
+    vla = "trainer: vla\nmethod: habc\n"
+    counts = [[900, 2000, 2900, 4100], [1100, 2000, 3100, 3900]]
+    runs = [
+        seed_run(
+            tmp_path / f"habc_s{seed}",
+            seed,
+            {0: 0.4, 2: 0.6 + 0.1 * seed, 4: 0.8},
+            config=vla,
+            metric="success_rate",
+            env_steps=counts[seed],
+            success_rate=[1.0, 0.0, 1.0, 1.0],  # training episodes' success, not the held-out one
+        )
+        for seed in range(2)
+    ]
+    figures = drawn(monkeypatch)
+    assert main(["report", *runs, "--compare", str(tmp_path / "robot.png"), "--metric", "success_rate"]) == 0
+    numbers = json.loads((tmp_path / "robot.json").read_text())
+    assert list(numbers["x_axes"]) == ["env_steps"] and numbers["metric"] == "success_rate"
+    (habc,) = numbers["methods"]
+    assert habc["label"] == "habc" and habc["seeds"] == [0, 1]
+    assert [p["x"]["env_steps"] for p in habc["points"]] == [0.0, 2000.0, 4000.0]
+    assert [p["mean"] for p in habc["points"]] == pytest.approx([0.4, 0.65, 0.8])
+    assert figures[0].axes[0].get_xlabel().startswith("environment steps")
+
+    diffusion = seed_run(
+        tmp_path / "flow", 0, {0: 0.1, 2: 0.2, 4: 0.3}, step_seconds=[1.0] * 4, nfe=[2.0] * 4
+    )
+    # robot runs hold no heldout_alignment (the default), a diffusion run no success_rate
+    assert main(["report", *runs, diffusion, "--compare", str(tmp_path / "x.png")]) == 2
+    assert (
+        main(["report", *runs, diffusion, "--compare", str(tmp_path / "x.png"), "--metric", "success_rate"])
+        == 2
+    )
+    assert "flow' has no finished run with held-out 'success_rate'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.json").exists()
+
+
+def test_compare_mixed_runs_each_drawn_where_it_has_the_axis(tmp_path, monkeypatch):
+    robot = seed_run(tmp_path / "robot", 0, {0: 0.1, 4: 0.3}, metric="m", env_steps=[10, 20, 30, 40])
+    flow = seed_run(tmp_path / "flow", 0, {0: 0.1, 4: 0.2}, config="a: 1\n", metric="m", nfe=[2.0] * 4)
+    figures = drawn(monkeypatch)
+    report.compare_runs([robot, flow], "m", tmp_path / "c.png")
+    numbers = json.loads((tmp_path / "c.json").read_text())
+    assert list(numbers["x_axes"]) == ["nfe", "env_steps"]
+    assert [len(ax.lines) for ax in figures[0].axes] == [1, 1]
+    assert numbers["methods"][0]["points"][-1]["x"] == {"env_steps": 40.0}
+    assert numbers["methods"][1]["points"][-1]["x"] == {"nfe": 8.0}
+
+
+def test_compare_labels(tmp_path, capsys, monkeypatch):
+    drawn(monkeypatch)
+    a = [seed_run(tmp_path / "a" / f"seed{s}", s, {0: 0.0, 4: 0.1}) for s in range(2)]
+    b = [seed_run(tmp_path / "b" / f"seed{s}", s, {0: 0.0, 4: 0.2}, config="x: 2\n") for s in range(2)]
+    png = tmp_path / "c.png"
+    assert main(["report", *a, *b, "--compare", str(png)]) == 0
+    assert capsys.readouterr().out.split() == [str(png), str(tmp_path / "c.json")]
+    labels = [m["label"] for m in json.loads((tmp_path / "c.json").read_text())["methods"]]
+    # both name "seed": the paths' common prefixes tell them apart
+    assert labels == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert main(["report", *a, *b, "--compare", str(png), "--label", "ours", "--label", "base"]) == 0
+    labels = [m["label"] for m in json.loads((tmp_path / "c.json").read_text())["methods"]]
+    assert labels == ["ours", "base"]
+    capsys.readouterr()
+    assert main(["report", *a, *b, "--compare", str(png), "--label", "ours"]) == 2
+    assert "--label is given 1 times for 2 method(s)" in capsys.readouterr().err
+    assert main(["report", a[0], "--label", "ours"]) == 2
+    assert main(["report", a[0], a[0], "--compare", str(png)]) == 2
+    assert "given twice" in capsys.readouterr().err
+    groups = [[Path("r/x_lr3_s0"), Path("r/x_lr3_s1")], [Path("q/flat-seed-1"), Path("q/flat-seed-2")]]
+    assert report.method_labels([*groups, [Path("one_s0")]]) == ["x_lr3", "flat", "one_s0"]
+
+
+def test_t_quantiles():
+    assert report.t_975(1) == 12.7062 and report.t_975(30) == 2.0423
+    assert report.t_975(31) == pytest.approx(2.0395, abs=1e-4)
+    assert report.t_975(120) == pytest.approx(1.9799, abs=1e-4)
+    assert report.t_975(10**6) == pytest.approx(1.96, abs=1e-4)
