@@ -34,6 +34,7 @@ from diffusion_rl.sampling import evaluate_alignment
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import ConfigError, shipped_path
 from mmrl.registry import REWARDS, UnknownNameError
+from mmrl.resources import check_enough_prompts
 from mmrl.rewards import RewardFn
 from mmrl.samplers import build_sampler
 from mmrl.trainer import Trainer, TrainingStopped
@@ -144,6 +145,31 @@ def reward_hacking_record(
         "trained_delta": trained,
         "gold_metric": gold_key,
         "gold_delta": gold,
+    }
+
+
+def check_prompt_count(cfg: Any, prompts: int, processes: int) -> None:
+    """Refuse a step that would draw a prompt twice: `rollout.prompts_per_step` on every process."""
+    source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
+    check_enough_prompts(
+        "rollout.prompts_per_step",
+        cfg.rollout.prompts_per_step,
+        processes,
+        prompts,
+        f"the {prompts} {source}",
+        "lower rollout.prompts_per_step or give a longer prompt_file",
+    )
+
+
+def update_summary(stats: list[tuple[int, dict[str, Any], float]], grad_norms: list[float]) -> dict[str, Any]:
+    """The metrics of an update from its micro-batches' (size, loss metrics, loss), weighted by size,
+    and the mean gradient norm of its optimizer steps."""
+    total = sum(n for n, _, _ in stats)
+    merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
+    return {
+        "loss": sum(n * value for n, _, value in stats) / total,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        **merged,
     }
 
 

@@ -13,10 +13,11 @@ from typing import Literal
 import torch
 
 from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
+from diffusion_rl.diffusion_trainer import check_prompt_count
 from diffusion_rl.models import FlowPipeline
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
-from mmrl.resources import check_enough_prompts, check_memory
+from mmrl.resources import check_memory
 
 # latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
 FORWARD_LATENTS = 64
@@ -147,15 +148,7 @@ def check_nft_size(
     every group at once (twice the rows with guidance) and keeps its clean latents and their noised
     copies; each update runs `train.micro_batch` noised samples with gradients."""
     r, t = cfg.rollout, cfg.train
-    source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
-    check_enough_prompts(
-        "rollout.prompts_per_step",
-        r.prompts_per_step,
-        processes,
-        prompts,
-        f"the {prompts} {source}",
-        "lower rollout.prompts_per_step or give a longer prompt_file",
-    )
+    check_prompt_count(cfg, prompts, processes)
     latent = 4 * math.prod(pipe.latent_shape())
     side = pipe.latent_shape()[-1] * pipe.vae_scale
     rows = r.prompts_per_step * max(r.group_size, cfg.explore.pool if cfg.explore.enabled else 0)

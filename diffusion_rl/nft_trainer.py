@@ -34,7 +34,7 @@ import torch
 
 from diffusion_rl.branch_rollout import TreePlan, rollout_trees
 from diffusion_rl.config import RolloutConfig
-from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly
+from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly, update_summary
 from diffusion_rl.models import Conditioning
 from diffusion_rl.nft_config import DiffusionNFTConfig, check_nft_size
 from diffusion_rl.quantized_exploration import KeptLeaves, keep_for_replay, rank_agreement
@@ -265,13 +265,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
                 stats.append((len(index), out.metrics, float(out.loss.detach())))
             grad_norms.append(float(self.apply_gradients(cfg.max_grad_norm, cfg.nan_patience)))
             self.update_ema()
-        total = sum(n for n, _, _ in stats)
-        merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
-        return {
-            "loss": sum(n * value for n, _, value in stats) / total,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            **merged,
-        }
+        return update_summary(stats, grad_norms)
 
     def update_old_policy(self, decay: float) -> None:
         """old <- decay * old + (1 - decay) * trained (decay 0: the old policy is the trained one)."""

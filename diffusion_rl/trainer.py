@@ -35,7 +35,13 @@ from diffusion_rl.branch_rollout import (
     training_samples,
 )
 from diffusion_rl.config import BranchGRPOConfig
-from diffusion_rl.diffusion_trainer import DiffusionTrainer, StepRewards, split_evenly
+from diffusion_rl.diffusion_trainer import (
+    DiffusionTrainer,
+    StepRewards,
+    check_prompt_count,
+    split_evenly,
+    update_summary,
+)
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.quantized_exploration import (
     KeptLeaves,
@@ -49,7 +55,7 @@ from diffusion_rl.sde import StepOutput
 from mmrl.losses import LossOutput, gaussian_kl_same_std
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
-from mmrl.resources import check_enough_prompts, check_memory
+from mmrl.resources import check_memory
 from mmrl.tree import RolloutTree, fused_node_advantages
 
 # latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
@@ -71,15 +77,7 @@ def check_rollout_size(
     evaluation runs on all of a step's nodes at once (twice with guidance), and each update runs
     `train.micro_batch` steps with gradients."""
     r = cfg.rollout
-    source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
-    check_enough_prompts(
-        "rollout.prompts_per_step",
-        r.prompts_per_step,
-        processes,
-        prompts,
-        f"the {prompts} {source}",
-        "lower rollout.prompts_per_step or give a longer prompt_file",
-    )
+    check_prompt_count(cfg, prompts, processes)
     latent = 4 * math.prod(pipe.latent_shape())
     side = pipe.latent_shape()[-1] * pipe.vae_scale
     plans = {"rollout.branch_factor": plan_for(r)}
@@ -229,13 +227,7 @@ class BranchGRPOTrainer(DiffusionTrainer):
                 stats.append((len(chunk), metrics, float(loss.detach())))
             grad_norms.append(float(self.apply_gradients(cfg.train.max_grad_norm, cfg.train.nan_patience)))
             self.update_ema()
-        total = sum(n for n, _, _ in stats)
-        merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
-        return {
-            "loss": sum(n * value for n, _, value in stats) / total,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            **merged,
-        }
+        return update_summary(stats, grad_norms)
 
     def chunk_loss(
         self,
