@@ -269,6 +269,12 @@ class EvalConfig:
         "the held-out samples are also scored by it (heldout_gold), and eval.json flags a run whose "
         "trained reward rose while it fell; null: none",
     )
+    divergence_margin: float = option(
+        0.01,
+        "the smallest change of a held-out score that counts as a rise or a fall for the reward-hacking "
+        "flag (changes within it are noise)",
+        min=0.0,
+    )
 
     def __post_init__(self) -> None:
         gold = self.gold_reward

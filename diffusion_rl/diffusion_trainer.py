@@ -128,10 +128,15 @@ def combine_rewards(
 
 
 def reward_hacking_record(
-    first: dict[str, Any] | None, last: dict[str, Any] | None, trained_key: str, gold_key: str
+    first: dict[str, Any] | None,
+    last: dict[str, Any] | None,
+    trained_key: str,
+    gold_key: str,
+    margin: float = 0.0,
 ) -> dict[str, Any] | None:
-    """Whether the trained reward's held-out score rose while the gold reward's fell from the `first`
-    to the `last` evaluation, with both changes; None when either evaluation lacks either score."""
+    """Whether the trained reward's held-out score rose while the gold reward's fell, each by more
+    than `margin`, from the `first` to the `last` evaluation, with both changes; None when either
+    evaluation lacks either score."""
     if first is None or last is None:
         return None
     try:
@@ -140,7 +145,7 @@ def reward_hacking_record(
     except (KeyError, TypeError, ValueError):
         return None
     return {
-        "reward_hacking_suspected": bool(trained > 0 and gold < 0),
+        "reward_hacking_suspected": bool(trained > margin and gold < -margin),
         "trained_metric": trained_key,
         "trained_delta": trained,
         "gold_metric": gold_key,
@@ -405,7 +410,11 @@ class DiffusionTrainer(Trainer):
         evals = json.loads(path.read_text()) if path.is_file() else {}
         gold_key = f"heldout_{GOLD_KEY}"
         record = reward_hacking_record(
-            evals.get("before"), evals.get("after"), self.trained_heldout_key(), gold_key
+            evals.get("before"),
+            evals.get("after"),
+            self.trained_heldout_key(),
+            gold_key,
+            self.config.eval.divergence_margin,
         )
         if record is None:
             return None

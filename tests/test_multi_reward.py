@@ -384,7 +384,9 @@ def test_without_a_gold_reward_evaluation_and_eval_json_are_as_before(model_dir,
         return {"heldout_alignment": 0.5}
 
     monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
-    trainer = trainer_for(model_dir, tmp_path, "steps=1", "checkpoint_every=1", setup=False)
+    trainer = trainer_for(
+        model_dir, tmp_path, "eval.gold_reward=null", "steps=1", "checkpoint_every=1", setup=False
+    )
     trainer.train()
     assert calls == [{}, {}]  # no extra rewards asked for
     assert json.loads((tmp_path / "eval.json").read_text()) == {
@@ -407,6 +409,11 @@ def test_reward_hacking_record():
     }
     same = reward_hacking_record(first, first, "heldout_reward", "heldout_gold")
     assert same["reward_hacking_suspected"] is False
+    small = {"heldout_reward": 1.005, "heldout_gold": 0.3}  # the trained reward rose by less than 0.01
+    assert reward_hacking_record(first, small, "heldout_reward", "heldout_gold")["reward_hacking_suspected"]
+    assert not reward_hacking_record(first, small, "heldout_reward", "heldout_gold", margin=0.01)[
+        "reward_hacking_suspected"
+    ]
     assert reward_hacking_record(None, first, "heldout_reward", "heldout_gold") is None
     assert reward_hacking_record(first, {"heldout_reward": 2.0}, "heldout_reward", "heldout_gold") is None
 
