@@ -323,7 +323,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mmrl.report import compare_runs, write_report
+    from mmrl.compare import compare_runs
+    from mmrl.report import write_report
 
     if args.compare:
         png = compare_runs(args.run_dir, args.metric, args.compare, args.label)

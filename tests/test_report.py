@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl import report
+from mmrl import compare, report
 from mmrl.cli import main
 from mmrl.report import build_report, check_run_dir, json_html, metric_group, write_report
 
@@ -224,7 +224,7 @@ def seed_run(
 def drawn(monkeypatch) -> list:
     """The figures compare_runs closes, kept to look at what was drawn."""
     figures = []
-    monkeypatch.setattr(report.plt, "close", figures.append)
+    monkeypatch.setattr(compare.plt, "close", figures.append)
     return figures
 
 
@@ -305,7 +305,7 @@ def test_compare_two_seeds_draw_min_max_and_one_run_draws_alone(tmp_path, monkey
         seed_run(tmp_path / "lonely_s9", 9, {0: 0.0, 4: 0.5}, config="trainer: nft\n", nfe=[2.0] * 4),
     ]
     figures = drawn(monkeypatch)
-    report.compare_runs(runs, "heldout_alignment", tmp_path / "c.png")
+    compare.compare_runs(runs, "heldout_alignment", tmp_path / "c.png")
     pair, lonely = json.loads((tmp_path / "c.json").read_text())["methods"]
     assert (pair["label"], pair["band"], pair["n"]) == ("a", "min-max", 2)
     assert pair["final"]["ci95"] == pytest.approx([0.4 - 12.7062 * 0.2, 0.4 + 12.7062 * 0.2])
@@ -330,8 +330,8 @@ def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "m_s0" in err and "m_s1" in err and "[0, 2, 4] and [0, 1, 4]" in err
     assert not (tmp_path / "out").exists()  # refused before anything is written
-    with pytest.raises(report.ConfigError, match="different steps"):
-        report.compare_runs(runs, "heldout_alignment", png)
+    with pytest.raises(compare.ConfigError, match="different steps"):
+        compare.compare_runs(runs, "heldout_alignment", png)
 
 
 def test_compare_panels_follow_what_the_runs_logged(tmp_path, monkeypatch):
@@ -346,7 +346,7 @@ def test_compare_panels_follow_what_the_runs_logged(tmp_path, monkeypatch):
         explore_nfe=[10.0] * 4,
     )
     figures = drawn(monkeypatch)
-    report.compare_runs([plain, explored], "heldout_alignment", tmp_path / "c.png")
+    compare.compare_runs([plain, explored], "heldout_alignment", tmp_path / "c.png")
     numbers = json.loads((tmp_path / "c.json").read_text())
     assert list(numbers["x_axes"]) == ["wall_clock_s", "nfe", "all_nfe"]
     plain_m, sol = numbers["methods"]
@@ -356,7 +356,7 @@ def test_compare_panels_follow_what_the_runs_logged(tmp_path, monkeypatch):
     assert "explore_nfe" in figures[0].axes[2].get_xlabel()
     # nothing but the step logged: the step axis, never one no run has
     bare = seed_run(tmp_path / "bare", 0, {0: 0.1, 2: 0.2, 4: 0.3})
-    report.compare_runs([bare], "heldout_alignment", tmp_path / "bare.png")
+    compare.compare_runs([bare], "heldout_alignment", tmp_path / "bare.png")
     numbers = json.loads((tmp_path / "bare.json").read_text())
     assert list(numbers["x_axes"]) == ["step"]
     assert [p["x"]["step"] for p in numbers["methods"][0]["points"]] == [0, 2, 4]
@@ -406,7 +406,7 @@ def test_compare_mixed_runs_each_drawn_where_it_has_the_axis(tmp_path, monkeypat
     robot = seed_run(tmp_path / "robot", 0, {0: 0.1, 4: 0.3}, metric="m", env_steps=[10, 20, 30, 40])
     flow = seed_run(tmp_path / "flow", 0, {0: 0.1, 4: 0.2}, config="a: 1\n", metric="m", nfe=[2.0] * 4)
     figures = drawn(monkeypatch)
-    report.compare_runs([robot, flow], "m", tmp_path / "c.png")
+    compare.compare_runs([robot, flow], "m", tmp_path / "c.png")
     numbers = json.loads((tmp_path / "c.json").read_text())
     assert list(numbers["x_axes"]) == ["nfe", "env_steps"]
     assert [len(ax.lines) for ax in figures[0].axes] == [1, 1]
@@ -434,11 +434,11 @@ def test_compare_labels(tmp_path, capsys, monkeypatch):
     assert main(["report", a[0], a[0], "--compare", str(png)]) == 2
     assert "given twice" in capsys.readouterr().err
     groups = [[Path("r/x_lr3_s0"), Path("r/x_lr3_s1")], [Path("q/flat-seed-1"), Path("q/flat-seed-2")]]
-    assert report.method_labels([*groups, [Path("one_s0")]]) == ["x_lr3", "flat", "one_s0"]
+    assert compare.method_labels([*groups, [Path("one_s0")]]) == ["x_lr3", "flat", "one_s0"]
 
 
 def test_t_quantiles():
-    assert report.t_975(1) == 12.7062 and report.t_975(30) == 2.0423
-    assert report.t_975(31) == pytest.approx(2.0395, abs=1e-4)
-    assert report.t_975(120) == pytest.approx(1.9799, abs=1e-4)
-    assert report.t_975(10**6) == pytest.approx(1.96, abs=1e-4)
+    assert compare.t_975(1) == 12.7062 and compare.t_975(30) == 2.0423
+    assert compare.t_975(31) == pytest.approx(2.0395, abs=1e-4)
+    assert compare.t_975(120) == pytest.approx(1.9799, abs=1e-4)
+    assert compare.t_975(10**6) == pytest.approx(1.96, abs=1e-4)

@@ -1,0 +1,374 @@
+"""`mmrl report RUN ... --compare PNG`: held-out learning curves of several runs in one plot, runs whose
+configs differ only in their seed drawn as one method (the mean over seeds with a band), and the
+plotted numbers with each method's final mean and 95% interval in a JSON file beside the PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from mmrl.config import ConfigError, check_output_dir  # noqa: E402
+from mmrl.report import metric_number  # noqa: E402
+from mmrl.runlog import METRICS_FILE, read_metrics  # noqa: E402
+
+
+def check_plot_path(out: str | Path) -> Path:
+    """`out` as a Path a figure can be saved to, checked before any run is read and without making
+    its folder: a suffix matplotlib cannot write, a directory or an unwritable folder fails in one
+    line, and a refused command leaves nothing behind."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(out)
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix.lower().removeprefix(".") not in formats:
+        raise ConfigError(
+            f"--compare {str(out)!r}: matplotlib cannot write a {path.suffix or 'suffix-less'} file: give "
+            f"a .png path (or one of .{', .'.join(formats)})"
+        )
+    if path.is_dir():
+        raise ConfigError(
+            f"--compare {str(out)!r} is a directory: give a file path, e.g. {path / 'compare.png'}"
+        )
+    check_output_dir(path.parent, "--compare (its folder)")
+    return path
+
+
+# ------------------------------------------------------------------------------------- comparison
+
+# X axes of `compare_runs`, in panel order: what each counts (cumulated from metrics.jsonl up to each
+# held-out evaluation) and the metric a run must have logged for the axis to exist.
+X_AXES = {
+    "wall_clock_s": ("training wall-clock (s)", "sum of step_seconds"),
+    "nfe": ("full-precision denoiser evaluations per prompt", "sum of nfe"),
+    "all_nfe": ("all denoiser evaluations per prompt", "sum of nfe + low-precision explore_nfe"),
+    "env_steps": ("environment steps", "policy and expert, the trainer's env_steps count"),
+    "step": ("training steps", "logged step"),  # only when the runs logged none of the above
+}
+# Config keys that differ between seeds of one method (and the resume flag of a resumed seed).
+SEED_KEYS = ("seed", "output_dir", "resume")
+# Student t quantile 0.975 for 1..30 degrees of freedom (two-sided 95% interval of a mean).
+T_975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)  # fmt: skip
+STD_BAND_FROM = 3  # seeds from which the band is mean +- std (fewer: min-max)
+
+
+def t_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with `df` degrees of freedom: the table up to 30, beyond it
+    the Cornish-Fisher expansion around the normal quantile (within 1e-4 of the exact value)."""
+    if df < 1:
+        raise ValueError(f"t quantile needs at least 1 degree of freedom, got {df}")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass
+class HeldOutCurve:
+    """A finished run's held-out metric at each evaluation (before training, every `eval_every` steps,
+    after), the training step of each, and the x value of each on every axis the run logged."""
+
+    run: Path
+    steps: list[float]
+    values: list[float]
+    x: dict[str, list[float]]
+    explore: bool = False  # the run logged low-precision exploration (explore_nfe)
+
+
+def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
+    """The held-out `metric` curve of a finished run; FileNotFoundError when the run has not finished.
+    Wall-clock, nfe and explore_nfe are summed over the steps up to each evaluation; env_steps is the
+    trainer's cumulative counter as logged at that step."""
+    rows = [r for r in read_metrics(run) if isinstance(r, dict)] if (run / METRICS_FILE).is_file() else []
+    evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+    if not rows or any(metric not in (evals.get(key) or {}) for key in ("before", "after")):
+        raise FileNotFoundError(
+            f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
+            "with before/after); train it to the end first"
+        )
+
+    def value(raw: Any, where: str) -> float:
+        number = metric_number(raw)
+        if number is None:
+            raise ConfigError(f"{str(run)!r}: held-out {metric!r} in {where} is {raw!r}, not a number")
+        return number
+
+    logged = {key for row in rows for key, item in row.items() if metric_number(item) is not None}
+    axes = [
+        axis
+        for axis, needs in (
+            ("wall_clock_s", {"step_seconds"}),
+            ("nfe", {"nfe"}),
+            ("all_nfe", {"nfe", "explore_nfe"}),
+            ("env_steps", {"env_steps"}),
+        )
+        if needs & logged
+    ] + ["step"]
+    curve = HeldOutCurve(run, [0.0], [value(evals["before"][metric], "eval.json before")], {})
+    curve.explore = "explore_nfe" in logged
+    totals = dict.fromkeys(axes, 0.0)
+    for axis in axes:
+        curve.x[axis] = [0.0]
+
+    def add_point(step: float, metric_value: float) -> None:
+        curve.steps.append(step)
+        curve.values.append(metric_value)
+        for axis in axes:
+            curve.x[axis].append(step if axis == "step" else totals[axis])
+
+    for index, row in enumerate(rows):
+        step = metric_number(row.get("step"))
+        step = float(index + 1) if step is None else step
+        seconds, nfe = metric_number(row.get("step_seconds")) or 0.0, metric_number(row.get("nfe")) or 0.0
+        if "wall_clock_s" in totals:
+            totals["wall_clock_s"] += seconds
+        if "nfe" in totals:
+            totals["nfe"] += nfe
+        if "all_nfe" in totals:
+            totals["all_nfe"] += nfe + (metric_number(row.get("explore_nfe")) or 0.0)
+        if "env_steps" in totals and metric_number(row.get("env_steps")) is not None:
+            totals["env_steps"] = float(row["env_steps"])
+        if f"eval_{metric}" in row:
+            add_point(step, value(row[f"eval_{metric}"], f"metrics.jsonl step {step:g}"))
+    final = metric_number(rows[-1].get("step"))
+    final = float(len(rows)) if final is None else final
+    if curve.steps[-1] == final and len(curve.steps) > 1:  # evaluated at the last step: eval.json wins
+        curve.steps.pop(), curve.values.pop()
+        for axis in axes:
+            curve.x[axis].pop()
+    add_point(final, value(evals["after"][metric], "eval.json after"))
+    return curve
+
+
+def _method_key(run: Path) -> tuple[str, Any]:
+    """(what seeds of one method share, the run's seed): the saved config without `SEED_KEYS`; a run
+    without a config.yaml is a method of its own."""
+    import yaml
+
+    path = run / "config.yaml"
+    if not path.is_file():
+        return f"run {run.resolve()}", None
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{str(path)!r} is not valid YAML ({err})") from None
+    if not isinstance(config, dict):
+        return f"run {run.resolve()}", None
+    shared = {k: v for k, v in config.items() if k not in SEED_KEYS}
+    return json.dumps(shared, sort_keys=True, default=str), config.get("seed")
+
+
+def _trim_label(prefix: str) -> str:
+    """A common prefix without its trailing separators and a dangling seed marker: "habc_s" (of
+    habc_s0, habc_s1) and "runs/a/seed" (of runs/a/seed0, runs/a/seed1) give "habc" and "runs/a"."""
+    return re.sub(r"(?:[-_. /=]+(?:seed|s)?)+$", "", prefix)
+
+
+def method_labels(groups: list[list[Path]]) -> list[str]:
+    """A label per method: a lone run's directory name; for seeds, the longest common prefix of their
+    directory names, trimmed (`_trim_label`). An empty or repeated label falls back to the common
+    prefix of the run paths as given, then to a numbered one."""
+    labels = []
+    for runs in groups:
+        names = [run.resolve().name if run.name in ("", ".", "..") else run.name for run in runs]
+        labels.append(names[0] if len(runs) == 1 else _trim_label(os.path.commonprefix(names)))
+    first = list(labels)
+    for i, runs in enumerate(groups):
+        if first[i] and first.count(first[i]) == 1:
+            continue
+        paths = [str(run) for run in runs]
+        full = _trim_label(os.path.commonprefix(paths)) if len(runs) > 1 else paths[0]
+        taken = labels[:i] + labels[i + 1 :]
+        labels[i] = full if full and full not in taken else f"{first[i] or 'method'} ({i + 1})"
+    return labels
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    """Mean, sample standard deviation (n - 1; None for one seed), min and max."""
+    import statistics
+
+    finite = all(math.isfinite(v) for v in values)
+    mean = statistics.fmean(values) if finite else math.fsum(values) / len(values)
+    std = None
+    if len(values) > 1:  # statistics.stdev is exact on floats, so equal seeds give exactly 0
+        std = statistics.stdev(values) if finite else math.nan
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+def _finite_json(value: Any) -> Any:
+    """JSON has no NaN or infinity: written as the strings metrics.jsonl uses for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def method_summary(label: str, curves: list[HeldOutCurve], seeds: list[Any], axes: list[str]) -> dict:
+    """A method's numbers: per evaluation point the step, the mean over seeds of each x, and the
+    metric's mean, std, min, max and per-seed values; the final point's mean with a t-based 95%
+    interval over seeds (None for one seed)."""
+    n = len(curves)
+    have = [axis for axis in axes if all(axis in c.x for c in curves)]
+    points = []
+    for i, step in enumerate(curves[0].steps):
+        values = [c.values[i] for c in curves]
+        x = {axis: sum(c.x[axis][i] for c in curves) / n for axis in have}
+        step = int(step) if step.is_integer() else step
+        points.append({"step": step, "x": x, **_stats(values), "values": values})
+    last = points[-1]
+    final: dict[str, Any] = {"step": last["step"], "n": n, "mean": last["mean"], "std": last["std"]}
+    if n > 1:
+        t = t_975(n - 1)
+        half = t * last["std"] / math.sqrt(n)
+        final.update(t=t, ci95=[last["mean"] - half, last["mean"] + half])
+    else:
+        final.update(t=None, ci95=None)
+    band = None if n == 1 else "mean +- std" if n >= STD_BAND_FROM else "min-max"
+    return {
+        "label": label,
+        "n": n,
+        "runs": [str(c.run) for c in curves],
+        "seeds": seeds,
+        "band": band,
+        "points": points,
+        "final": final,
+    }
+
+
+def _steps_text(steps: list[float]) -> str:
+    return "[" + ", ".join(f"{step:g}" for step in steps) + "]"
+
+
+def _legend(method: dict) -> str:
+    band = {None: "", "min-max": ", band min-max", "mean +- std": ", band mean ± std"}[method["band"]]
+    return f"{method['label']} (n={method['n']}{band})"
+
+
+def compare_runs(
+    run_dirs: list[str | Path], metric: str, out: str | Path, labels: list[str] | None = None
+) -> Path:
+    """One PNG comparing methods by held-out `metric` (before, every `eval_every` steps, after), and
+    its numbers in ``<png stem>.json`` beside it.
+
+    Runs whose config.yaml is the same but for `SEED_KEYS` are seeds of one method, drawn once: the
+    mean over seeds with a band (min-max for two seeds, mean +- std from three), labelled by
+    `method_labels` or `labels` (one per method, in the order their first run is given) and n. Seeds
+    must be evaluated at the same steps. Panels, one per x axis some run logged (`X_AXES`): training
+    wall-clock, full-precision denoiser evaluations, all denoiser evaluations (when a run explored
+    in low precision), environment steps; training steps when none was logged. X values are means
+    over seeds. Everything is checked before anything is written."""
+    out = check_plot_path(out)
+    numbers = out.with_suffix(".json")
+    if numbers.is_dir():
+        raise ConfigError(f"--compare {str(out)!r}: its numbers go to {str(numbers)!r}, which is a directory")
+    runs = [Path(run_dir) for run_dir in run_dirs]
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        if run.resolve() in seen:
+            raise ConfigError(f"run {str(run)!r} is given twice (as {str(seen[run.resolve()])!r})")
+        seen[run.resolve()] = run
+    curves = [held_out_curve(run, metric) for run in runs]
+
+    groups: dict[str, list[int]] = {}
+    seeds: list[Any] = []
+    for i, run in enumerate(runs):
+        key, seed = _method_key(run)
+        groups.setdefault(key, []).append(i)
+        seeds.append(seed)
+    members = list(groups.values())
+    for indices in members:
+        first = curves[indices[0]]
+        for i in indices[1:]:
+            if curves[i].steps != first.steps:
+                raise ConfigError(
+                    f"runs {str(first.run)!r} and {str(curves[i].run)!r} have the same config (seeds of "
+                    f"one method) but held-out evaluations at different steps: "
+                    f"{_steps_text(first.steps)} and {_steps_text(curves[i].steps)}; "
+                    "train the seeds to the same steps with the same eval_every"
+                )
+        repeated = [
+            i for i in indices if seeds[i] is not None and [seeds[j] for j in indices].count(seeds[i]) > 1
+        ]
+        if repeated:
+            warnings.warn(
+                f"runs {', '.join(str(runs[i]) for i in repeated)} have the same config and the same seed; "
+                "each counts as a seed of the method",
+                stacklevel=2,
+            )
+    auto = method_labels([[runs[i] for i in indices] for indices in members])
+    if labels:
+        if len(labels) != len(members):
+            raise ConfigError(
+                f"--label is given {len(labels)} times for {len(members)} method(s) ({', '.join(auto)}, in "
+                "that order): give one per method, in the order its first run is given"
+            )
+        auto = list(labels)
+
+    axes = [axis for axis in ("wall_clock_s", "nfe") if any(axis in c.x for c in curves)]
+    if any(c.explore for c in curves):
+        axes.append("all_nfe")
+    axes += ["env_steps"] if any("env_steps" in c.x for c in curves) else []
+    axes = axes or ["step"]
+    methods = [
+        method_summary(label, [curves[i] for i in indices], [seeds[i] for i in indices], axes)
+        for label, indices in zip(auto, members, strict=True)
+    ]
+
+    several = any(m["n"] > 1 for m in methods)
+    fig, panels = plt.subplots(1, len(axes), figsize=(5 * len(axes), 3.8), squeeze=False)
+    for ax, axis in zip(panels[0], axes, strict=True):
+        for color, method in enumerate(methods):
+            if axis not in method["points"][0]["x"]:
+                continue  # this method did not log the axis (a robot run in an NFE panel, say)
+            xs = [p["x"][axis] for p in method["points"]]
+            means = [p["mean"] for p in method["points"]]
+            ax.plot(xs, means, marker="o", ms=3, color=f"C{color}", label=_legend(method))
+            if method["band"] == "min-max":
+                low, high = [p["min"] for p in method["points"]], [p["max"] for p in method["points"]]
+            elif method["band"] == "mean +- std":
+                low = [p["mean"] - p["std"] for p in method["points"]]
+                high = [p["mean"] + p["std"] for p in method["points"]]
+            else:
+                continue
+            ax.fill_between(xs, low, high, color=f"C{color}", alpha=0.2, linewidth=0)
+        name, detail = X_AXES[axis]
+        ax.set_xlabel(
+            f"{name}\n({detail}{', mean over seeds' if several and axis != 'step' else ''})", fontsize=8
+        )
+        ax.set_ylabel(f"held-out {metric}")
+        ax.grid(alpha=0.3)
+    panels[0][-1].legend(fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    record = {
+        "metric": metric,
+        "plot": str(out),
+        "x_axes": {axis: ": ".join(X_AXES[axis]) for axis in axes},
+        "notes": {
+            "x": "mean over seeds of each run's x at the evaluation",
+            "std": "sample standard deviation over seeds (n - 1); null for one seed",
+            "band": f"min-max below {STD_BAND_FROM} seeds, mean +- std from {STD_BAND_FROM}",
+            "ci95": "final mean +- t(0.975, n - 1) * std / sqrt(n); null for one seed",
+        },
+        "methods": methods,
+    }
+    numbers.write_text(json.dumps(_finite_json(record), indent=1) + "\n")
+    return out
