@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from diffusion_rl.branch_rollout import plan_for, rollout_trees
+from diffusion_rl.branch_rollout import TreePlan, plan_for, rollout_trees
+from diffusion_rl.config import RolloutConfig
 from diffusion_rl.diffusion_trainer import DiffusionTrainer
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.nft_trainer import DiffusionNFTTrainer
@@ -152,32 +153,34 @@ def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
 
 
 def _explore_timing(trainer: BranchGRPOTrainer, iterations: int) -> dict[str, Any]:
-    """Rollout seconds per leaf of one exploration tree per prompt, quantised vs full precision."""
+    """Rollout seconds per leaf of one BranchGRPO exploration tree per prompt, quantised vs full."""
     cfg = trainer.config
     plan = plan_for(cfg.rollout)
-    prompts = trainer.prompts[: cfg.rollout.prompts_per_step]
-    ids = list(range(len(prompts)))
-    cond = trainer.pipe.encode_prompts(prompts)
-    uncond = trainer.uncond_one[[0] * len(prompts)]
-    leaves = len(plan.leaf_keys()) * len(prompts)
-
-    def run() -> float:
-        start = time.perf_counter()
-        rollout_trees(trainer.pipe, cond, uncond, ids, plan, cfg.rollout, cfg.seed, 0)
-        return (time.perf_counter() - start) / leaves
-
-    run()
-    full = statistics.median(run() for _ in range(iterations))
-    with explore_precision(trainer.pipe.denoiser, cfg.explore.precision):
-        run()
-        low = statistics.median(run() for _ in range(iterations))
-    return {"full": full, "low": low, "precision": cfg.explore.precision, "device": str(trainer.pipe.device)}
+    return _rollout_timing(
+        trainer, plan, cfg.rollout, cfg.explore.precision, len(plan.leaf_keys()), iterations
+    )
 
 
 def _pool_timing(trainer: DiffusionNFTTrainer, iterations: int) -> dict[str, Any]:
     """Rollout seconds per candidate of Sol-RL's pool (its plan: pool size and exploration steps, no
     guidance), quantised vs full precision."""
     cfg = trainer.config
+    return _rollout_timing(
+        trainer, trainer.pool_plan, trainer.pool_sampling, cfg.explore.precision, cfg.explore.pool, iterations
+    )
+
+
+def _rollout_timing(
+    trainer: DiffusionTrainer,
+    plan: TreePlan,
+    rollout: RolloutConfig,
+    precision: str,
+    per_prompt: int,
+    iterations: int,
+) -> dict[str, Any]:
+    """Median seconds per sample (`per_prompt` per prompt) of rolling out `plan` for the trainer's first
+    prompts, in full precision and with the denoiser in `precision`."""
+    cfg = trainer.config
     prompts = trainer.prompts[: cfg.rollout.prompts_per_step]
     ids = list(range(len(prompts)))
     cond = trainer.pipe.encode_prompts(prompts)
@@ -185,12 +188,12 @@ def _pool_timing(trainer: DiffusionNFTTrainer, iterations: int) -> dict[str, Any
 
     def run() -> float:
         start = time.perf_counter()
-        rollout_trees(trainer.pipe, cond, uncond, ids, trainer.pool_plan, trainer.pool_sampling, cfg.seed, 0)
-        return (time.perf_counter() - start) / (cfg.explore.pool * len(prompts))
+        rollout_trees(trainer.pipe, cond, uncond, ids, plan, rollout, cfg.seed, 0)
+        return (time.perf_counter() - start) / (per_prompt * len(prompts))
 
     run()
     full = statistics.median(run() for _ in range(iterations))
-    with explore_precision(trainer.pipe.denoiser, cfg.explore.precision):
+    with explore_precision(trainer.pipe.denoiser, precision):
         run()
         low = statistics.median(run() for _ in range(iterations))
-    return {"full": full, "low": low, "precision": cfg.explore.precision, "device": str(trainer.pipe.device)}
+    return {"full": full, "low": low, "precision": precision, "device": str(trainer.pipe.device)}
