@@ -5,6 +5,7 @@ have, a leaf-only advantage on a branching tree) before any model is loaded."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -186,21 +187,9 @@ def check_reward_terms(terms: Any) -> list[dict[str, Any]]:
     checked, seen = [], {}
     for i, term in enumerate(terms):
         key = f"reward.terms[{i}]"
-        if isinstance(term, str):  # a bare name: weight 1
-            term = {"name": term}
-        if not isinstance(term, dict):
-            raise ConfigError(
-                f"config error: {key} = {term!r} is not a mapping: give "
-                "{name: ..., weight: ..., options: ...}"
-            )
-        for extra in term:
-            if extra not in TERM_KEYS:
-                hint = closest(str(extra), list(TERM_KEYS))
-                did_you_mean = f"; did you mean '{key}.{hint}'?" if hint else ""
-                raise ConfigError(
-                    f"config error: unknown key '{key}.{extra}'{did_you_mean} valid keys of a term: "
-                    f"{', '.join(TERM_KEYS)}"
-                )
+        term = reward_mapping(
+            term, key, TERM_KEYS, "{name: ..., weight: ..., options: ...}", "valid keys of a term"
+        )
         name = check_reward_name(term.get("name"), f"{key}.name")
         if name in seen:
             raise ConfigError(
@@ -221,6 +210,23 @@ def check_reward_terms(terms: Any) -> list[dict[str, Any]]:
             "give at least one term a non-zero weight"
         )
     return checked
+
+
+def reward_mapping(value: Any, key: str, allowed: Sequence[str], give: str, valid: str) -> dict[str, Any]:
+    """A reward entry at config `key` as a mapping ({name: value} for a bare name) whose keys are all in
+    `allowed`; a ConfigError saying what to `give`, or naming an unknown key with the `valid` ones."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config error: {key} = {value!r} is not a mapping: give {give}")
+    for extra in value:
+        if extra not in allowed:
+            hint = closest(str(extra), list(allowed))
+            did_you_mean = f"; did you mean '{key}.{hint}'?" if hint else ""
+            raise ConfigError(
+                f"config error: unknown key '{key}.{extra}'{did_you_mean} {valid}: {', '.join(allowed)}"
+            )
+    return value
 
 
 def check_reward_name(name: Any, key: str) -> str:
@@ -280,21 +286,9 @@ class EvalConfig:
         gold = self.gold_reward
         if gold is None:
             return
-        if isinstance(gold, str):
-            gold = {"name": gold}
-        if not isinstance(gold, dict):
-            raise ConfigError(
-                f"config error: eval.gold_reward = {gold!r} is not a mapping: give "
-                "{name: ..., options: ...} or null"
-            )
-        for extra in gold:
-            if extra not in REWARD_KEYS:
-                hint = closest(str(extra), list(REWARD_KEYS))
-                did_you_mean = f"; did you mean 'eval.gold_reward.{hint}'?" if hint else ""
-                raise ConfigError(
-                    f"config error: unknown key 'eval.gold_reward.{extra}'{did_you_mean} valid keys: "
-                    f"{', '.join(REWARD_KEYS)}"
-                )
+        gold = reward_mapping(
+            gold, "eval.gold_reward", REWARD_KEYS, "{name: ..., options: ...} or null", "valid keys"
+        )
         self.gold_reward = {
             "name": check_reward_name(gold.get("name"), "eval.gold_reward.name"),
             "options": check_options(gold.get("options", {}), "eval.gold_reward.options"),
