@@ -267,6 +267,11 @@ def check_options(options: Any, key: str) -> dict[str, Any]:
 @dataclass
 class EvalConfig:
     prompts: int = option(64, "held-out prompts", min=1)
+    prompt_file: str | None = option(
+        None,
+        "text file of held-out prompts, one per line, scored by the trained reward(s) and the gold reward "
+        "(null: the shapes world's held-out prompts, also scored by geneval_mini as heldout_alignment)",
+    )
     steps: int = option(20, "ODE sampling steps", min=1)
     guidance_scale: float = option(3.0, "classifier-free guidance", min=1.0)
     gold_reward: dict | str | None = option(

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diffusion_rl.config import RewardConfig
+from diffusion_rl.config import EvalConfig, RewardConfig
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError
 from diffusion_rl.sampling import evaluate_alignment
@@ -53,19 +53,32 @@ class StepRewards(NamedTuple):
     offset: int  # where this process's leaves start
 
 
-def load_prompts(prompt_file: str | None) -> list[str]:
+def load_prompts(prompt_file: str | None, key: str = "prompt_file") -> list[str]:
     if prompt_file is None:
         return train_prompts()
     path = Path(prompt_file)
     if not path.is_file():
         raise ConfigError(
-            f"config error: prompt_file = {prompt_file!r} does not exist; give a text file with one "
+            f"config error: {key} = {prompt_file!r} does not exist; give a text file with one "
             "prompt per line, or null for the built-in shapes prompts"
         )
     prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not prompts:
-        raise ConfigError(f"config error: prompt_file = {prompt_file!r} holds no prompts (one per line)")
+        raise ConfigError(f"config error: {key} = {prompt_file!r} holds no prompts (one per line)")
     return prompts
+
+
+def load_heldout_prompts(cfg: EvalConfig) -> list[str] | None:
+    """eval.prompt_file's first eval.prompts prompts (None: the shapes world's held-out prompts)."""
+    if cfg.prompt_file is None:
+        return None
+    prompts = load_prompts(cfg.prompt_file, "eval.prompt_file")
+    if len(prompts) < cfg.prompts:
+        raise ConfigError(
+            f"config error: eval.prompt_file = {cfg.prompt_file!r} holds {len(prompts)} prompts, fewer "
+            f"than eval.prompts = {cfg.prompts}: lower eval.prompts or add prompts"
+        )
+    return prompts[: cfg.prompts]
 
 
 def resolve_model_path(path: str) -> Path:
@@ -74,8 +87,9 @@ def resolve_model_path(path: str) -> Path:
     if found.is_dir():
         return found
     raise ConfigError(
-        f"config error: model.path = {path!r} is not a directory; run `mmrl pretrain diffusion` "
-        "and pass model.path=runs/pretrain/diffusion/pipeline, or give a local model directory"
+        f"config error: model.path = {path!r} is not a directory; give a local model directory (a "
+        "diffusers pipeline saved from the hub id the recipe names, a tiny replica from `mmrl replica "
+        "NAME`, or `mmrl pretrain diffusion`'s runs/pretrain/diffusion/pipeline)"
     )
 
 
@@ -194,6 +208,7 @@ class DiffusionTrainer(Trainer):
     def setup(self) -> None:
         cfg = self.config
         self.prompts = load_prompts(cfg.prompt_file)
+        self.heldout_prompts = load_heldout_prompts(cfg.eval)
         self.reward_terms = build_reward_terms(cfg.reward)
         self.reward_fn = self.reward_terms[0].fn  # the one reward (terms: see `score`)
         self.last_reward_metrics: dict[str, float] = {}
@@ -355,9 +370,10 @@ class DiffusionTrainer(Trainer):
         return self.swapped_weights(self.ema)
 
     def heldout_rewards(self) -> dict[str, RewardFn]:
-        """The rewards the held-out samples are also scored by, as heldout_<key>: with terms or a gold
-        reward, every trained term (by name) and the gold reward (key `GOLD_KEY`); else none."""
-        if self.config.reward.terms is None and self.gold_reward_fn is None:
+        """The rewards the held-out samples are also scored by, as heldout_<key>: with terms, a gold
+        reward or eval.prompt_file, every trained term (by name) and the gold reward (key `GOLD_KEY`);
+        else none (heldout_alignment alone)."""
+        if self.config.reward.terms is None and self.gold_reward_fn is None and self.heldout_prompts is None:
             return {}
         if self.config.reward.terms is None:
             rewards = {self.reward_terms[0].name: self.reward_fn}
@@ -376,7 +392,8 @@ class DiffusionTrainer(Trainer):
 
     def evaluate(self) -> dict[str, float]:
         """heldout_alignment (geneval_mini) of ODE samples for the fixed held-out prompts and noise, and
-        with terms or a gold reward also heldout_<term>, heldout_reward (terms) and heldout_gold."""
+        with terms or a gold reward also heldout_<term>, heldout_reward (terms) and heldout_gold. With
+        eval.prompt_file, its prompts scored by the trained reward(s) and the gold reward only."""
         cfg = self.config.eval
         rewards = self.heldout_rewards()
         with self.ema_weights():
@@ -385,7 +402,13 @@ class DiffusionTrainer(Trainer):
                     self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed
                 )
             metrics = evaluate_alignment(
-                self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed, rewards=rewards
+                self.pipe,
+                cfg.prompts,
+                cfg.steps,
+                cfg.guidance_scale,
+                self.config.seed,
+                rewards=rewards,
+                prompts=self.heldout_prompts,
             )
         keys = [f"heldout_{term.name}" for term in self.reward_terms]
         if self.config.reward.terms is not None and all(key in metrics for key in keys):

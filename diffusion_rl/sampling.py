@@ -74,18 +74,22 @@ def evaluate_alignment(
     seed: int,
     grid_path: Path | None = None,
     rewards: Mapping[str, Callable[..., torch.Tensor]] | None = None,
+    prompts: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """Mean alignment reward of ODE samples for held-out prompts (fixed prompts and noise):
-    heldout_alignment, and heldout_<key> for each of `rewards` (reward functions called as
-    ``fn(images, prompts=prompts)``) on the same images."""
+    """Mean rewards of ODE samples for held-out prompts (fixed prompts and noise): heldout_alignment
+    (geneval_mini) for the shapes world's held-out prompts, and heldout_<key> for each of `rewards`
+    (reward functions called as ``fn(images, prompts=prompts)``) on the same images. `prompts`: the
+    first `num_prompts` of these instead (a user's held-out prompts: only `rewards` score them)."""
     from diffusion_rl.alignment import load_scorer
 
-    prompts = heldout_subset(num_prompts)
-    images = sample_ode(pipe, prompts, steps, guidance_scale, seed)
-    scores = load_scorer().score(images, [parse_prompt(p) for p in prompts])
+    chosen = heldout_subset(num_prompts) if prompts is None else list(prompts)[:num_prompts]
+    images = sample_ode(pipe, chosen, steps, guidance_scale, seed)
     if grid_path is not None:
         save_grid(images[:32], grid_path)
-    metrics = {"heldout_alignment": scores.mean().item()}
+    metrics = {}
+    if prompts is None:
+        scores = load_scorer().score(images, [parse_prompt(p) for p in chosen])
+        metrics["heldout_alignment"] = scores.mean().item()
     for key, fn in (rewards or {}).items():
-        metrics[f"heldout_{key}"] = fn(images, prompts=prompts).float().mean().item()
+        metrics[f"heldout_{key}"] = fn(images, prompts=chosen).float().mean().item()
     return metrics

@@ -33,7 +33,7 @@ from mmrl.config import (
     read_yaml,
     resolve_config_path,
 )
-from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, TRAINERS, UnknownNameError
+from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, REPLICAS, TRAINERS, UnknownNameError
 from mmrl.trainer import TrainingStopped
 
 BUILTIN_MODULES = (
@@ -189,6 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
         "key=value options passed to the bench",
     )
 
+    add_command(
+        sub,
+        common,
+        "replica",
+        "save a tiny replica of a real model",
+        "Save a tiny replica of a real model (`mmrl list` shows them under replica): the real model's "
+        "classes and layout, loaded by the code that loads its real weights, with every size scaled "
+        "down so that its recipes run on a CPU. Options: output_dir (default runs/replicas/NAME), seed.",
+        ("name", "replica name, e.g. sd35m"),
+        "key=value options: output_dir=DIR, seed=N",
+    )
+
     report = sub.add_parser(
         "report",
         parents=[common],
@@ -322,6 +334,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replica(args: argparse.Namespace) -> int:
+    save = REPLICAS.get(args.name)
+    options = apply_overrides({}, list(args.overrides))
+    unknown = sorted(set(options) - {"output_dir", "seed"})
+    if unknown:
+        raise ConfigError(f"mmrl replica: unknown option {unknown[0]!r}: the options are output_dir and seed")
+    seed = options.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"mmrl replica: seed = {seed!r} must be an integer")
+    output_dir = Path(str(options.get("output_dir", f"runs/replicas/{args.name}")))
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise ConfigError(
+            f"mmrl replica: output_dir {str(output_dir)!r} is not empty: give another output_dir="
+        )
+    print(save(output_dir, seed=seed))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from mmrl.compare import compare_runs
     from mmrl.report import write_report
@@ -357,6 +387,7 @@ COMMANDS = {
     "pretrain": cmd_pretrain,
     "eval": cmd_eval,
     "bench": cmd_bench,
+    "replica": cmd_replica,
     "report": cmd_report,
     "list": cmd_list,
 }

@@ -165,6 +165,9 @@ PRECISIONS: Registry[Callable] = Registry("precision", "weight precisions for ex
 REWARDS: Registry[Callable] = Registry("reward", "reward functions")
 TRAINERS: Registry[type] = Registry("trainer", "trainers, each with its config dataclass")
 BENCHES: Registry[Callable] = Registry("bench", "benchmarks run by `mmrl bench NAME`")
+REPLICAS: Registry[Callable] = Registry(
+    "replica", "tiny replicas of real models, saved by `mmrl replica NAME` (a function (directory, seed))"
+)
 EVALUATORS: Registry[Callable] = Registry(
     "evaluator", "model evaluations run by `mmrl eval NAME key=value ...`"
 )

@@ -1,0 +1,387 @@
+"""The real text-to-image models the GPU recipes name, as configs, and tiny replicas of them.
+
+`FULL` holds each model's component configs as published with its weights (hub id in `HUB_IDS`).
+They build the real architecture at full size with random weights (`build_full`: on the meta device for
+a memory plan, on a GPU for a benchmark) without downloading anything.
+
+A replica (`save_replica`, `mmrl replica NAME`) is the same pipeline class with the same component
+classes, saved by `save_pretrained` in the same layout, so a recipe loads it by the code path that
+loads the real weights. `TINY` overrides only sizes: widths, depths, heads, vocabularies (tokenizers
+are built locally for the shapes prompts and fall back to characters for other words). What the
+code depends on is kept: latent channels and the VAE's 8x downsampling, patching, FLUX's guidance
+embedding and RoPE axes (scaled with the head width), SD3.5's dual-attention blocks and q/k norm,
+three text encoders for SD3.5 and two for FLUX, pooled and joint widths that agree with the text
+encoders, and the schedulers unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from transformers import (
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    T5Config,
+    T5EncoderModel,
+)
+
+from diffusion_rl.models import build_clip_tokenizer, build_t5_tokenizer
+from diffusion_rl.shapes import vocabulary
+from mmrl.config import ConfigError
+from mmrl.registry import REPLICAS
+
+HUB_IDS = {
+    "sd35m": "stabilityai/stable-diffusion-3.5-medium",
+    "flux_dev": "black-forest-labs/FLUX.1-dev",
+    "pickscore": "yuvalkirstain/PickScore_v1",
+}
+
+_VAE_16CH = {  # SD3.5 and FLUX.1 share the 16-channel, 8x-downsampling VAE layout
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+_CLIP_L = {  # openai/clip-vit-large-patch14's text tower
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "projection_dim": 768,
+    "hidden_act": "quick_gelu",
+}
+_CLIP_G = {  # laion CLIP-ViT-bigG-14's text tower
+    "vocab_size": 49408,
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 20,
+    "max_position_embeddings": 77,
+    "projection_dim": 1280,
+    "hidden_act": "gelu",
+}
+_T5_XXL = {  # google/t5-v1_1-xxl's encoder
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+}
+
+FULL: dict[str, dict[str, dict[str, Any]]] = {
+    "sd35m": {
+        "transformer": {
+            "sample_size": 128,
+            "patch_size": 2,
+            "in_channels": 16,
+            "out_channels": 16,
+            "num_layers": 24,
+            "attention_head_dim": 64,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 4096,
+            "caption_projection_dim": 1536,
+            "pooled_projection_dim": 2048,
+            "pos_embed_max_size": 384,
+            "dual_attention_layers": list(range(13)),
+            "qk_norm": "rms_norm",
+        },
+        "vae": {**_VAE_16CH, "scaling_factor": 1.5305, "shift_factor": 0.0609},
+        "text_encoder": _CLIP_L,
+        "text_encoder_2": _CLIP_G,
+        "text_encoder_3": _T5_XXL,
+        "scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
+    },
+    "flux_dev": {
+        "transformer": {
+            "patch_size": 1,
+            "in_channels": 64,
+            "num_layers": 19,
+            "num_single_layers": 38,
+            "attention_head_dim": 128,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 4096,
+            "pooled_projection_dim": 768,
+            "guidance_embeds": True,
+            "axes_dims_rope": [16, 56, 56],
+        },
+        "vae": {**_VAE_16CH, "scaling_factor": 0.3611, "shift_factor": 0.1159},
+        "text_encoder": _CLIP_L,
+        "text_encoder_2": _T5_XXL,
+        "scheduler": {
+            "num_train_timesteps": 1000,
+            "shift": 3.0,
+            "use_dynamic_shifting": True,
+            "base_shift": 0.5,
+            "max_shift": 1.15,
+            "base_image_seq_len": 256,
+            "max_image_seq_len": 4096,
+        },
+    },
+    "pickscore": {  # a CLIP ViT-H/14 fine-tuned on Pick-a-Pic preferences
+        "model": {
+            "projection_dim": 1024,
+            "text_config": {
+                "vocab_size": 49408,
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "max_position_embeddings": 77,
+                "hidden_act": "gelu",
+            },
+            "vision_config": {
+                "hidden_size": 1280,
+                "intermediate_size": 5120,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 16,
+                "image_size": 224,
+                "patch_size": 14,
+                "hidden_act": "gelu",
+            },
+        },
+    },
+}
+
+_TINY_VAE = {
+    "block_out_channels": [8, 8, 16, 16],
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "sample_size": 64,
+}
+_TINY_CLIP = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "projection_dim": 16,
+}
+_TINY_T5 = {
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 1,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+}
+
+TINY: dict[str, dict[str, dict[str, Any]]] = {
+    "sd35m": {
+        "transformer": {
+            "sample_size": 8,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,  # the T5 width; the two CLIP widths (16 + 16) are padded to it
+            "caption_projection_dim": 32,
+            "pooled_projection_dim": 32,  # the two CLIP projections concatenated
+            "pos_embed_max_size": 16,
+            "dual_attention_layers": [0],
+        },
+        "vae": _TINY_VAE,
+        "text_encoder": _TINY_CLIP,
+        "text_encoder_2": _TINY_CLIP,
+        "text_encoder_3": _TINY_T5,
+        "scheduler": {},
+    },
+    "flux_dev": {
+        "transformer": {
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,  # the T5 width
+            "pooled_projection_dim": 16,  # the CLIP projection width
+            "axes_dims_rope": [4, 6, 6],  # even (RoPE pairs), summing to the head width as 16 + 56 + 56 = 128
+        },
+        "vae": _TINY_VAE,
+        "text_encoder": _TINY_CLIP,
+        "text_encoder_2": _TINY_T5,
+        "scheduler": {},
+    },
+    "pickscore": {
+        "model": {
+            "projection_dim": 16,
+            "text_config": {**_TINY_CLIP, "projection_dim": 16},
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 32,
+                "patch_size": 8,
+            },
+        },
+    },
+}
+
+TOKENS = 32  # the replicas' tokenizer length (SD3's CLIP 77 / T5 256, FLUX's 512 at full size)
+
+
+def merged(full: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+    """`full` with `tiny`'s values, nested dicts merged key by key."""
+    out = copy.deepcopy(full)
+    for key, value in tiny.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and key in out else copy.deepcopy(value)
+    return out
+
+
+def component_configs(name: str, tiny: bool) -> dict[str, dict[str, Any]]:
+    if name not in FULL:
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(FULL)}")
+    if not tiny:
+        return copy.deepcopy(FULL[name])
+    return {part: merged(config, TINY[name][part]) for part, config in FULL[name].items()}
+
+
+def _text_encoder(config: dict[str, Any], vocab_size: int, projection: bool) -> torch.nn.Module:
+    text = CLIPTextConfig(
+        **{**config, "vocab_size": vocab_size, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
+    )
+    return CLIPTextModelWithProjection(text) if projection else CLIPTextModel(text)
+
+
+def _t5(config: dict[str, Any], vocab_size: int) -> T5EncoderModel:
+    return T5EncoderModel(
+        T5Config(
+            **{
+                **config,
+                "vocab_size": vocab_size,
+                "pad_token_id": 0,
+                "eos_token_id": 1,
+                "decoder_start_token_id": 0,
+            }
+        )
+    )
+
+
+def build_denoiser(name: str, tiny: bool = False) -> torch.nn.Module:
+    """The model's transformer with random weights (call under `torch.device("meta")` to allocate
+    nothing, or on the device that runs it)."""
+    config = component_configs(name, tiny)["transformer"]
+    return (FluxTransformer2DModel if name == "flux_dev" else SD3Transformer2DModel)(**config)
+
+
+def build_full(name: str) -> dict[str, torch.nn.Module]:
+    """Every trained or frozen network of the real model at full size, random weights, in the current
+    default device (`with torch.device("meta"):` for a plan without memory). Keys: component names."""
+    configs = component_configs(name, tiny=False)
+    if name == "pickscore":
+        return {"model": CLIPModel(CLIPConfig(**configs["model"]))}
+    vocab = {"text_encoder": _CLIP_L["vocab_size"], "text_encoder_2": _CLIP_G["vocab_size"]}
+    parts: dict[str, torch.nn.Module] = {
+        "transformer": build_denoiser(name),
+        "vae": AutoencoderKL(**configs["vae"]),
+    }
+    for part, config in configs.items():
+        if part.startswith("text_encoder"):
+            is_t5 = "d_model" in config
+            parts[part] = (
+                _t5(config, config["vocab_size"])
+                if is_t5
+                else _text_encoder(config, vocab[part], projection=name == "sd35m")
+            )
+    return parts
+
+
+def save_replica(name: str, directory: str | Path, seed: int = 0) -> Path:
+    """Write the tiny replica of `name` with save_pretrained: a diffusers pipeline directory for the
+    text-to-image models (FlowPipeline.from_pretrained reads it as it reads the real one), a CLIPModel
+    with its tokenizer and image processor for PickScore (the `pickscore` reward's model_path)."""
+    directory = Path(directory)
+    configs = component_configs(name, tiny=True)
+    torch.manual_seed(seed)
+    words = vocabulary()
+    clip_tokenizer = build_clip_tokenizer(words, max_length=TOKENS)
+    if name == "pickscore":
+        model_config = configs["model"]
+        model_config["text_config"] = {
+            **model_config["text_config"],
+            "vocab_size": len(clip_tokenizer),
+            "max_position_embeddings": TOKENS,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 1,
+        }
+        CLIPModel(CLIPConfig(**model_config)).save_pretrained(directory)
+        clip_tokenizer.save_pretrained(directory)
+        size = model_config["vision_config"]["image_size"]
+        CLIPImageProcessor(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        ).save_pretrained(directory)
+        return directory
+    t5_tokenizer = build_t5_tokenizer(words, max_length=TOKENS)
+    clip = {**configs["text_encoder"], "max_position_embeddings": TOKENS}
+    vae = AutoencoderKL(**configs["vae"])
+    scheduler = FlowMatchEulerDiscreteScheduler(**configs["scheduler"])
+    if name == "sd35m":
+        clip_g = {**configs["text_encoder_2"], "max_position_embeddings": TOKENS}
+        pipe = StableDiffusion3Pipeline(
+            transformer=build_denoiser(name, tiny=True),
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=_text_encoder(clip, len(clip_tokenizer), projection=True),
+            tokenizer=clip_tokenizer,
+            text_encoder_2=_text_encoder(clip_g, len(clip_tokenizer), projection=True),
+            tokenizer_2=clip_tokenizer,
+            text_encoder_3=_t5(configs["text_encoder_3"], len(t5_tokenizer)),
+            tokenizer_3=t5_tokenizer,
+        )
+    else:
+        pipe = FluxPipeline(
+            transformer=build_denoiser(name, tiny=True),
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=_text_encoder(clip, len(clip_tokenizer), projection=False),
+            tokenizer=clip_tokenizer,
+            text_encoder_2=_t5(configs["text_encoder_2"], len(t5_tokenizer)),
+            tokenizer_2=t5_tokenizer,
+        )
+    pipe.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@REPLICAS.register("sd35m")
+def sd35m(directory: str | Path, seed: int = 0) -> Path:
+    """Stable Diffusion 3.5 Medium: StableDiffusion3Pipeline, MMDiT-X transformer, CLIP-L, CLIP-G, T5."""
+    return save_replica("sd35m", directory, seed)
+
+
+@REPLICAS.register("flux_dev")
+def flux_dev(directory: str | Path, seed: int = 0) -> Path:
+    """FLUX.1-dev: FluxPipeline, guidance-distilled transformer, CLIP-L and T5."""
+    return save_replica("flux_dev", directory, seed)
+
+
+@REPLICAS.register("pickscore")
+def pickscore(directory: str | Path, seed: int = 0) -> Path:
+    """PickScore v1: a CLIP ViT-H/14 model with its tokenizer and image processor."""
+    return save_replica("pickscore", directory, seed)
