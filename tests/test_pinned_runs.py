@@ -7,7 +7,7 @@ import json
 
 import pytest
 from pinned_runs import PINNED, RUNS, fingerprint, robot_loops
-from test_replicas import RECIPES as REAL_MODEL_RECIPES
+from test_replicas import REAL_MODEL_RECIPES
 
 from mmrl.cli import load_plugins
 

@@ -12,6 +12,9 @@ from diffusion_rl.replicas import FULL, build_full
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import REPLICAS, REWARDS, TRAINERS
+from vlm_rl.models import VLMAdapter
+from vlm_rl.replicas import FULL as QWEN25VL_FULL
+from vlm_rl.replicas import build_full as build_qwen25vl
 
 load_plugins()
 
@@ -22,6 +25,7 @@ PUBLISHED = {
     ("flux_dev", "transformer"): 12e9,
     ("flux_dev", "text_encoder_2"): 4.76e9,
     ("pickscore", "model"): 0.986e9,
+    ("qwen25vl_3b", "model"): 3.75e9,
 }
 TRAIN_PROMPTS = ["a red square on a table", "two blue crosses", "a photo of a cat", "three yellow circles"]
 HELDOUT_PROMPTS = ["a purple triangle", "a dog in the snow", "one green cross"]
@@ -30,7 +34,7 @@ HELDOUT_PROMPTS = ["a purple triangle", "a dog in the snow", "one green cross"]
 @pytest.mark.parametrize(("name", "part"), sorted(PUBLISHED))
 def test_full_configs_build_the_published_sizes_on_the_meta_device(name, part):
     with torch.device("meta"):
-        module = build_full(name)[part]
+        module = build_qwen25vl() if name == "qwen25vl_3b" else build_full(name)[part]
     size = sum(t.numel() for t in module.parameters()) + sum(t.numel() for t in module.buffers())
     assert abs(size / PUBLISHED[(name, part)] - 1) < 0.03, size
 
@@ -38,7 +42,7 @@ def test_full_configs_build_the_published_sizes_on_the_meta_device(name, part):
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
-    return {name: REPLICAS.get(name)(root / name) for name in FULL}
+    return {name: REPLICAS.get(name)(root / name) for name in [*FULL, "qwen25vl_3b"]}
 
 
 @pytest.mark.parametrize(
@@ -60,6 +64,25 @@ def test_replicas_load_as_the_real_pipelines_do_and_keep_their_structure(replica
     else:
         assert sum(pipe.denoiser.config.axes_dims_rope) == pipe.denoiser.config.attention_head_dim
         assert pipe.guidance_embedded
+
+
+def test_the_qwen25vl_replica_loads_as_the_real_checkpoint_does_and_keeps_its_structure(replicas):
+    adapter = VLMAdapter.from_pretrained(replicas["qwen25vl_3b"])
+    config = adapter.model.config
+    assert type(adapter.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    text, vision = config.get_text_config(), config.vision_config
+    full_text, full_vision = QWEN25VL_FULL["text"], QWEN25VL_FULL["vision"]
+    assert (
+        text.num_attention_heads // text.num_key_value_heads
+        == 8
+        == (full_text["num_attention_heads"] // full_text["num_key_value_heads"])
+    )
+    head = text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == head // 2
+    for key in ("patch_size", "spatial_merge_size", "temporal_patch_size", "window_size"):
+        assert getattr(vision, key) == full_vision[key], key
+    assert vision.out_hidden_size == text.hidden_size and config.tie_word_embeddings
+    assert text.vocab_size == len(adapter.tokenizer)
 
 
 def test_pickscore_replica_scores_with_the_reward_code(replicas):
@@ -131,6 +154,37 @@ def test_each_real_model_recipe_runs_an_iteration_on_its_replica(replicas, tmp_p
     adapter = tmp_path / "run" / "final" / "pytorch_lora_weights.safetensors"
     assert adapter.is_file()
     FlowPipeline.from_pretrained(tmp_path / "run" / "final")  # the LoRA result loads on its base
+
+
+VLM_RECIPES = {"vlm/qwen25vl_3b_tool_grpo": "qwen25vl_3b"}
+REAL_MODEL_RECIPES = {*RECIPES, *VLM_RECIPES}
+
+
+@pytest.mark.parametrize("recipe", sorted(VLM_RECIPES))
+def test_the_vlm_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, recipe):
+    config = load_config(
+        recipe,
+        [
+            f"model.path={replicas[VLM_RECIPES[recipe]]}",
+            f"output_dir={tmp_path / 'run'}",
+            "rollout.backend=transformers",  # vLLM is optional (tests/test_vllm_engine.py)
+            "rollout.max_new_tokens=12",
+            "train.questions_per_step=2",
+            "train.group_size=4",
+            "data.train_size=16",
+            "data.heldout_size=4",
+            "eval_every=0",
+            "steps=1",
+            "progress=false",
+        ],
+    )
+    assert config.rollout.system_prompt  # a real model is told about the tool
+    TRAINERS.get(config.trainer)(config).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and all(
+        torch.isfinite(torch.tensor(v)) for v in rows[0].values() if isinstance(v, float)
+    )
+    assert VLMAdapter.from_pretrained(tmp_path / "run" / "model").model.config.model_type == "qwen2_5_vl"
 
 
 def test_a_heldout_prompt_file_shorter_than_eval_prompts_is_refused(replicas, tmp_path):

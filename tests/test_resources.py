@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_replicas import RECIPES as REAL_MODEL_RECIPES
+from test_replicas import REAL_MODEL_RECIPES
 from transformers import Qwen2Config
 
 from mmrl.cli import load_plugins, main

@@ -900,13 +900,11 @@ class QwenVLAdapter(VLMAdapter):
         if spec.architecture not in QwenVLAdapter.model_classes:
             raise ValueError(f"architecture must be one of {sorted(QwenVLAdapter.model_classes)}")
         tokenizer = build_chat_tokenizer(vocabulary, spec.max_positions)
-        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
         # rotary frequencies per head, split over (time, height, width) like Qwen2-VL's 16:24:24
         half = spec.hidden // spec.heads // 2
         height = (half - half // 4) // 2
         mrope_section = [half // 4, height, half - half // 4 - height]
         text = {
-            "vocab_size": len(tokenizer),
             "hidden_size": spec.hidden,
             "intermediate_size": 2 * spec.hidden,
             "num_hidden_layers": spec.layers,
@@ -914,9 +912,6 @@ class QwenVLAdapter(VLMAdapter):
             "num_key_value_heads": spec.kv_heads,
             "max_position_embeddings": spec.max_positions,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": mrope_section},
-            "bos_token_id": ids[PAD],
-            "eos_token_id": ids[IM_END],
-            "pad_token_id": ids[PAD],
         }
         vision = {
             "depth": spec.vision_depth,
@@ -927,7 +922,6 @@ class QwenVLAdapter(VLMAdapter):
         }
         if spec.architecture == "qwen2_vl":
             vision |= {"embed_dim": spec.vision_width, "hidden_size": spec.hidden, "mlp_ratio": 2}
-            config_class = Qwen2VLConfig
         else:
             vision |= {
                 "hidden_size": spec.vision_width,
@@ -936,7 +930,35 @@ class QwenVLAdapter(VLMAdapter):
                 "window_size": 2 * spec.patch_size * spec.merge_size,  # 2x2 merged tokens per window
                 "fullatt_block_indexes": [spec.vision_depth - 1],
             }
-            config_class = Qwen2_5_VLConfig
+        image_processor = Qwen2VLImageProcessorPil(
+            min_pixels=spec.min_pixels,
+            max_pixels=spec.max_pixels,
+            patch_size=spec.patch_size,
+            merge_size=spec.merge_size,
+            temporal_patch_size=2,
+        )
+        return QwenVLAdapter.build(spec.architecture, text, vision, tokenizer, image_processor, seed)
+
+    @staticmethod
+    def build(
+        architecture: str,
+        text: dict[str, Any],
+        vision: dict[str, Any],
+        tokenizer: PreTrainedTokenizerFast,
+        image_processor: Qwen2VLImageProcessorPil,
+        seed: int = 0,
+    ) -> QwenVLAdapter:
+        """A new model of `architecture` from its text and vision config entries (sizes), its token ids
+        and vocabulary size taken from `tokenizer` (a `build_chat_tokenizer`), weights from `seed`."""
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+        text = {
+            **text,
+            "vocab_size": len(tokenizer),
+            "bos_token_id": ids[PAD],
+            "eos_token_id": ids[IM_END],
+            "pad_token_id": ids[PAD],
+        }
+        config_class = Qwen2VLConfig if architecture == "qwen2_vl" else Qwen2_5_VLConfig
         config = config_class(
             text_config=text,
             vision_config=vision,
@@ -947,16 +969,9 @@ class QwenVLAdapter(VLMAdapter):
             tie_word_embeddings=True,
         )
         torch.manual_seed(seed)
-        model = QwenVLAdapter.model_classes[spec.architecture](config).eval()
+        model = QwenVLAdapter.model_classes[architecture](config).eval()
         model.generation_config.eos_token_id = ids[IM_END]
         model.generation_config.pad_token_id = ids[PAD]
-        image_processor = Qwen2VLImageProcessorPil(
-            min_pixels=spec.min_pixels,
-            max_pixels=spec.max_pixels,
-            patch_size=spec.patch_size,
-            merge_size=spec.merge_size,
-            temporal_patch_size=2,
-        )
         return QwenVLAdapter(model, tokenizer, image_processor)
 
     def resized_size(self, image: Image.Image) -> tuple[int, int]:

@@ -1,0 +1,109 @@
+"""Qwen2.5-VL-3B-Instruct as a config, and a tiny replica of it.
+
+`FULL` is the published config's text and vision entries (hub id in `HUB_ID`); `build_full` makes the
+model at full size with random weights (on the meta device for a memory plan, on a GPU for a
+benchmark). The replica (`mmrl replica qwen25vl_3b`) is the same class, saved by `save_pretrained`
+with a tokenizer and image processor, loaded by `VLMAdapter.from_pretrained` as the real checkpoint
+is. `TINY` overrides sizes only; kept are grouped-query attention (8 query heads per key/value head),
+M-RoPE's 2 : 3 : 3 split of the rotary frequencies over time, height and width, SwiGLU, tied embeddings,
+the vision tower's 14-pixel patches, 2x2 merging, 112-pixel attention windows with full attention in
+the last block of every group, and the merger into the text width. The tokenizer is word-level over
+the zoom task's words (the real one is Qwen's BPE); the image processor limits images to 112x112.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+from mmrl.registry import REPLICAS
+from vlm_rl.data import DataConfig, task_vocabulary
+from vlm_rl.models import QwenVLAdapter, build_chat_tokenizer
+
+HUB_ID = "Qwen/Qwen2.5-VL-3B-Instruct"
+ARCHITECTURE = "qwen2_5_vl"
+
+FULL: dict[str, dict[str, Any]] = {
+    "text": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": True,
+    },
+    "vision": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 2048,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "hidden_act": "silu",
+    },
+}
+TINY: dict[str, dict[str, Any]] = {
+    "text": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,  # head width 16; 8 query heads per key/value head, as 16 / 2
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        # the 8 rotary frequencies of a 16-wide head split 2 : 3 : 3, as 16 : 24 : 24 of 64
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+    },
+    "vision": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 128,  # the text width
+        "fullatt_block_indexes": [1],  # full attention closes every group of window blocks
+    },
+}
+
+
+def configs(tiny: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    text, vision = copy.deepcopy(FULL["text"]), copy.deepcopy(FULL["vision"])
+    if tiny:
+        text |= copy.deepcopy(TINY["text"])
+        vision |= copy.deepcopy(TINY["vision"])
+    return text, vision
+
+
+def build_full() -> Qwen2_5_VLForConditionalGeneration:
+    """The full-size model with random weights in the current default device (`with
+    torch.device("meta"):` allocates nothing)."""
+    text, vision = configs(tiny=False)
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+
+
+@REPLICAS.register("qwen25vl_3b")
+def qwen25vl_3b(directory: str | Path, seed: int = 0) -> Path:
+    """Qwen2.5-VL-3B-Instruct: Qwen2_5_VLForConditionalGeneration with its window-attention vision tower."""
+    directory = Path(directory)
+    text, vision = configs(tiny=True)
+    tokenizer = build_chat_tokenizer(task_vocabulary(DataConfig()), text["max_position_embeddings"])
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56,
+        max_pixels=112 * 112,
+        patch_size=vision["patch_size"],
+        merge_size=vision["spatial_merge_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+    )
+    adapter = QwenVLAdapter.build(ARCHITECTURE, text, vision, tokenizer, image_processor, seed)
+    adapter.save_pretrained(directory)
+    return directory
