@@ -27,12 +27,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diffusion_rl.config import EvalConfig, RewardConfig
+from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError
 from diffusion_rl.sampling import evaluate_alignment
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import ConfigError, shipped_path
+from mmrl.memory_plan import MemoryPlan
 from mmrl.registry import REWARDS, UnknownNameError
 from mmrl.resources import check_enough_prompts
 from mmrl.rewards import RewardFn
@@ -91,6 +92,24 @@ def resolve_model_path(path: str) -> Path:
         "diffusers pipeline saved from the hub id the recipe names, a tiny replica from `mmrl replica "
         "NAME`, or `mmrl pretrain diffusion`'s runs/pretrain/diffusion/pipeline)"
     )
+
+
+def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[torch.nn.Parameter]:
+    """The parameters training updates: every weight, or (model.lora_rank > 0) a LoRA adapter added
+    on the attention projections (LORA_TARGETS), the rest frozen."""
+    if model.lora_rank > 0:
+        from peft import LoraConfig
+
+        denoiser.requires_grad_(False)
+        denoiser.add_adapter(
+            LoraConfig(
+                r=model.lora_rank,
+                lora_alpha=model.lora_alpha or model.lora_rank,
+                init_lora_weights="gaussian",
+                target_modules=LORA_TARGETS,
+            )
+        )
+    return [p for p in denoiser.parameters() if p.requires_grad]
 
 
 class RewardTerm(NamedTuple):
@@ -239,19 +258,7 @@ class DiffusionTrainer(Trainer):
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)
-        if cfg.model.lora_rank > 0:
-            from peft import LoraConfig
-
-            self.pipe.denoiser.requires_grad_(False)
-            self.pipe.denoiser.add_adapter(
-                LoraConfig(
-                    r=cfg.model.lora_rank,
-                    lora_alpha=cfg.model.lora_alpha or cfg.model.lora_rank,
-                    init_lora_weights="gaussian",
-                    target_modules=LORA_TARGETS,
-                )
-            )
-        self.trained_params = [p for p in self.pipe.denoiser.parameters() if p.requires_grad]
+        self.trained_params = trainable_denoiser(self.pipe.denoiser, cfg.model)
         self.ema = [p.detach().clone() for p in self.trained_params] if cfg.train.ema_decay > 0 else None
         self.prepare_model_and_optimizer(
             self.pipe.denoiser, self.trained_params, lr=cfg.train.lr, weight_decay=0.0
@@ -260,6 +267,12 @@ class DiffusionTrainer(Trainer):
             cfg.train.sampler, cfg.train.sampler_options, len(self.prompts), cfg.seed, "train.sampler_options"
         )
         self.uncond_one = self.pipe.encode_prompts([""])
+
+    @classmethod
+    def memory_plan(cls, config: Any, recipe: str, processes: int) -> MemoryPlan:
+        from diffusion_rl.memory_plan import diffusion_memory_plan
+
+        return diffusion_memory_plan(config, recipe, processes)
 
     def check_size(self) -> None:
         """Refuse a step that cannot fit on the device, before the model is trained (a ConfigError)."""

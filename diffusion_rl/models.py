@@ -440,6 +440,34 @@ class FlowPipeline:
             raise ConfigError(f"{str(directory / PIPELINE_FILE)!r}: {err}") from None
 
     @classmethod
+    def from_configs(cls, directory: str | Path) -> FlowPipeline:
+        """The pipeline of `directory` built from its config files alone, every network with random
+        weights in the current default device: under ``torch.device("meta")``, a real model for a memory
+        plan without reading its weights or allocating them. A LoRA result gives its base."""
+        from diffusers import AutoencoderKL
+
+        directory = Path(directory)
+        kind = directory_kind(directory)
+        if kind == "lora":
+            return cls.from_configs(check_lora_result(directory)[0])
+        if kind == "diffusers":
+            index, _ = check_diffusers_layout(directory)
+            return cls.wrap_diffusers(directory, empty_diffusers_pipeline(directory, index))
+        settings, folder = check_own_layout(directory)
+        denoiser_class = DENOISERS[folder]
+        vae = None
+        if settings.get("vae"):
+            vae = AutoencoderKL.from_config(AutoencoderKL.load_config(directory / "vae"))
+        return cls(
+            denoiser_class.from_config(denoiser_class.load_config(directory / folder)),
+            CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(directory / "text_encoder")),
+            CLIPTokenizer.from_pretrained(directory / "tokenizer", local_files_only=True),
+            vae=vae,
+            shift=settings.get("shift", 1.0),
+            prediction=settings.get("prediction", "velocity"),
+        )
+
+    @classmethod
     def from_diffusers(cls, directory: str | Path) -> FlowPipeline:
         """A local diffusers pipeline with a flow transformer (SD3 style) or a DDPM/DDIM UNet (SD1.x)."""
         from diffusers import DiffusionPipeline
@@ -454,6 +482,12 @@ class FlowPipeline:
             )
         except LOAD_ERRORS as err:
             raise ConfigError(f"{directory}: the diffusers {name} does not load ({one_line(err)})") from None
+        return cls.wrap_diffusers(directory, pipeline)
+
+    @classmethod
+    def wrap_diffusers(cls, directory: str | Path, pipeline: Any) -> FlowPipeline:
+        """A loaded (or empty, `from_configs`) diffusers pipeline of `directory` as a FlowPipeline."""
+        name = type(pipeline).__name__
         scheduler = pipeline.scheduler
         if isinstance(getattr(pipeline, "transformer", None), FluxTransformer2DModel):
             return cls.from_flux(Path(directory), pipeline)
@@ -887,6 +921,36 @@ def check_diffusers_layout(directory: Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
     read_json_object(directory / folder / "config.json", REMAKE)
     return index, folder
+
+
+def empty_diffusers_pipeline(directory: Path, index: dict[str, Any]) -> Any:
+    """The diffusers pipeline `index` (model_index.json) describes, its networks built from their
+    configs in the current default device, its schedulers and tokenizers read from `directory`."""
+    import diffusers
+    import transformers
+
+    parts: dict[str, Any] = {}
+    for part, entry in index.items():
+        if part.startswith("_") or not (isinstance(entry, list) and len(entry) == 2):
+            continue
+        library, class_name = entry
+        if library is None:
+            parts[part] = None
+            continue
+        component_class = getattr(diffusers if library == "diffusers" else transformers, class_name)
+        path = directory / part
+        try:
+            if issubclass(component_class, diffusers.ModelMixin):
+                parts[part] = component_class.from_config(component_class.load_config(path))
+            elif issubclass(component_class, transformers.PreTrainedModel):
+                parts[part] = component_class(
+                    transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+                )
+            else:  # schedulers, tokenizers: small files
+                parts[part] = component_class.from_pretrained(path, local_files_only=True)
+        except LOAD_ERRORS as err:
+            raise ConfigError(f"{path}: the {class_name} config does not load ({one_line(err)})") from None
+    return getattr(diffusers, index["_class_name"])(**parts)
 
 
 def check_flux_layout(directory: Path, classes: dict[str, str]) -> None:

@@ -290,98 +290,120 @@ def build_denoiser(name: str, tiny: bool = False) -> torch.nn.Module:
     return (FluxTransformer2DModel if name == "flux_dev" else SD3Transformer2DModel)(**config)
 
 
-def build_full(name: str) -> dict[str, torch.nn.Module]:
-    """Every trained or frozen network of the real model at full size, random weights, in the current
-    default device (`with torch.device("meta"):` for a plan without memory). Keys: component names."""
-    configs = component_configs(name, tiny=False)
-    if name == "pickscore":
-        return {"model": CLIPModel(CLIPConfig(**configs["model"]))}
-    vocab = {"text_encoder": _CLIP_L["vocab_size"], "text_encoder_2": _CLIP_G["vocab_size"]}
-    parts: dict[str, torch.nn.Module] = {
-        "transformer": build_denoiser(name),
-        "vae": AutoencoderKL(**configs["vae"]),
-    }
-    for part, config in configs.items():
-        if part.startswith("text_encoder"):
-            is_t5 = "d_model" in config
-            parts[part] = (
-                _t5(config, config["vocab_size"])
-                if is_t5
-                else _text_encoder(config, vocab[part], projection=name == "sd35m")
-            )
-    return parts
-
-
-def save_replica(name: str, directory: str | Path, seed: int = 0) -> Path:
-    """Write the tiny replica of `name` with save_pretrained: a diffusers pipeline directory for the
-    text-to-image models (FlowPipeline.from_pretrained reads it as it reads the real one), a CLIPModel
-    with its tokenizer and image processor for PickScore (the `pickscore` reward's model_path)."""
-    directory = Path(directory)
-    configs = component_configs(name, tiny=True)
-    torch.manual_seed(seed)
+def build(name: str, tiny: bool) -> Any:
+    """The model with random weights in the current default device: the diffusers pipeline
+    (StableDiffusion3Pipeline, FluxPipeline), or for PickScore (CLIPModel, tokenizer, image processor).
+    Tokenizers are built for the shapes prompts; tiny, the text encoders' vocabularies and positions
+    are theirs, full size the published ones."""
+    configs = component_configs(name, tiny)
     words = vocabulary()
     clip_tokenizer = build_clip_tokenizer(words, max_length=TOKENS)
+    clip_vocab = len(clip_tokenizer) if tiny else None
+    positions = {"max_position_embeddings": TOKENS} if tiny else {}
     if name == "pickscore":
         model_config = configs["model"]
-        model_config["text_config"] = {
+        text = {
             **model_config["text_config"],
-            "vocab_size": len(clip_tokenizer),
-            "max_position_embeddings": TOKENS,
+            **positions,
             "bos_token_id": 0,
             "eos_token_id": 1,
             "pad_token_id": 1,
         }
-        CLIPModel(CLIPConfig(**model_config)).save_pretrained(directory)
-        clip_tokenizer.save_pretrained(directory)
+        model_config["text_config"] = {**text, "vocab_size": clip_vocab or text["vocab_size"]}
         size = model_config["vision_config"]["image_size"]
-        CLIPImageProcessor(
+        processor = CLIPImageProcessor(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-        ).save_pretrained(directory)
-        return directory
+        )
+        return CLIPModel(CLIPConfig(**model_config)), clip_tokenizer, processor
     t5_tokenizer = build_t5_tokenizer(words, max_length=TOKENS)
-    clip = {**configs["text_encoder"], "max_position_embeddings": TOKENS}
-    vae = AutoencoderKL(**configs["vae"])
-    scheduler = FlowMatchEulerDiscreteScheduler(**configs["scheduler"])
+
+    def clip(part: str, projection: bool) -> torch.nn.Module:
+        config = {**configs[part], **positions}
+        return _text_encoder(config, clip_vocab or config["vocab_size"], projection)
+
+    def t5(part: str) -> T5EncoderModel:
+        return _t5(configs[part], len(t5_tokenizer) if tiny else configs[part]["vocab_size"])
+
+    common = {
+        "transformer": build_denoiser(name, tiny),
+        "scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
+        "vae": AutoencoderKL(**configs["vae"]),
+        "tokenizer": clip_tokenizer,
+    }
     if name == "sd35m":
-        clip_g = {**configs["text_encoder_2"], "max_position_embeddings": TOKENS}
-        pipe = StableDiffusion3Pipeline(
-            transformer=build_denoiser(name, tiny=True),
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=_text_encoder(clip, len(clip_tokenizer), projection=True),
-            tokenizer=clip_tokenizer,
-            text_encoder_2=_text_encoder(clip_g, len(clip_tokenizer), projection=True),
+        return StableDiffusion3Pipeline(
+            **common,
+            text_encoder=clip("text_encoder", projection=True),
+            text_encoder_2=clip("text_encoder_2", projection=True),
             tokenizer_2=clip_tokenizer,
-            text_encoder_3=_t5(configs["text_encoder_3"], len(t5_tokenizer)),
+            text_encoder_3=t5("text_encoder_3"),
             tokenizer_3=t5_tokenizer,
         )
-    else:
-        pipe = FluxPipeline(
-            transformer=build_denoiser(name, tiny=True),
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=_text_encoder(clip, len(clip_tokenizer), projection=False),
-            tokenizer=clip_tokenizer,
-            text_encoder_2=_t5(configs["text_encoder_2"], len(t5_tokenizer)),
-            tokenizer_2=t5_tokenizer,
-        )
-    pipe.save_pretrained(directory, safe_serialization=True)
+    return FluxPipeline(
+        **common,
+        text_encoder=clip("text_encoder", projection=False),
+        text_encoder_2=t5("text_encoder_2"),
+        tokenizer_2=t5_tokenizer,
+    )
+
+
+def build_full(name: str) -> dict[str, torch.nn.Module]:
+    """Every network of the real model at full size with random weights, in the current default device
+    (`with torch.device("meta"):` allocates nothing), by component name."""
+    built = build(name, tiny=False)
+    if name == "pickscore":
+        return {"model": built[0]}
+    return {part: module for part, module in built.components.items() if isinstance(module, torch.nn.Module)}
+
+
+def save_replica(name: str, directory: str | Path, seed: int = 0, full: bool = False) -> Path:
+    """Write the tiny replica of `name` with save_pretrained: a diffusers pipeline directory for the
+    text-to-image models (FlowPipeline.from_pretrained reads it as it reads the real one), a CLIPModel
+    with its tokenizer and image processor for PickScore (the `pickscore` reward's model_path).
+
+    `full`: the full-size model's files without weights (configs, tokenizers, scheduler): enough for
+    `mmrl train RECIPE --dry-run` to plan the real model; loading it for training fails for want of
+    weights."""
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    with torch.device("meta" if full else "cpu"):
+        built = build(name, tiny=not full)
+    if name == "pickscore":
+        model, tokenizer, processor = built
+        if full:
+            model.config.save_pretrained(directory)
+        else:
+            model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        processor.save_pretrained(directory)
+        return directory
+    if not full:
+        built.save_pretrained(directory, safe_serialization=True)
+        return directory
+    built.save_config(directory)  # model_index.json
+    for part, component in built.components.items():
+        if isinstance(component, torch.nn.Module) and hasattr(component, "save_config"):
+            component.save_config(directory / part)  # diffusers networks: config.json
+        elif isinstance(component, torch.nn.Module):
+            component.config.save_pretrained(directory / part)  # transformers networks
+        elif component is not None:
+            component.save_pretrained(directory / part)  # tokenizers, scheduler
     return directory
 
 
 @REPLICAS.register("sd35m")
-def sd35m(directory: str | Path, seed: int = 0) -> Path:
+def sd35m(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
     """Stable Diffusion 3.5 Medium: StableDiffusion3Pipeline, MMDiT-X transformer, CLIP-L, CLIP-G, T5."""
-    return save_replica("sd35m", directory, seed)
+    return save_replica("sd35m", directory, seed, full)
 
 
 @REPLICAS.register("flux_dev")
-def flux_dev(directory: str | Path, seed: int = 0) -> Path:
+def flux_dev(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
     """FLUX.1-dev: FluxPipeline, guidance-distilled transformer, CLIP-L and T5."""
-    return save_replica("flux_dev", directory, seed)
+    return save_replica("flux_dev", directory, seed, full)
 
 
 @REPLICAS.register("pickscore")
-def pickscore(directory: str | Path, seed: int = 0) -> Path:
+def pickscore(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
     """PickScore v1: a CLIP ViT-H/14 model with its tokenizer and image processor."""
-    return save_replica("pickscore", directory, seed)
+    return save_replica("pickscore", directory, seed, full)

@@ -154,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
         "key=value overrides, dotted for sections",
         resume=True,
     )
+    train = sub.choices["train"]
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan instead of training: parameters, memory per process (weights, gradients, "
+        "optimizer states, activations; the model built on the meta device), work per iteration and the "
+        "batch on --processes",
+    )
+    train.add_argument(
+        "--processes", type=int, default=None, metavar="N", help="with --dry-run: plan for N processes"
+    )
     add_command(
         sub,
         common,
@@ -196,9 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         "save a tiny replica of a real model",
         "Save a tiny replica of a real model (`mmrl list` shows them under replica): the real model's "
         "classes and layout, loaded by the code that loads its real weights, with every size scaled "
-        "down so that its recipes run on a CPU. Options: output_dir (default runs/replicas/NAME), seed.",
+        "down so that its recipes run on a CPU. Options: output_dir (default runs/replicas/NAME), seed, "
+        "full=true (the full-size model's configs, tokenizers and scheduler without weights: what "
+        "`mmrl train RECIPE --dry-run` needs to plan the real model).",
         ("name", "replica name, e.g. sd35m"),
-        "key=value options: output_dir=DIR, seed=N",
+        "key=value options: output_dir=DIR, seed=N, full=true",
     )
 
     report = sub.add_parser(
@@ -287,6 +300,15 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     config = load_checked_config(args.config, overrides)
+    processes = getattr(args, "processes", None)
+    if getattr(args, "dry_run", False):
+        processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
+        if processes < 1:
+            raise ConfigError(f"--processes {processes}: give a number of processes of at least 1")
+        print(TRAINERS.get(config.trainer).memory_plan(config, args.config, processes).format())
+        return 0
+    if processes is not None:
+        raise ConfigError("--processes plans a run for N processes: use it with --dry-run")
     trainer = TRAINERS.get(config.trainer)(config)
     accelerator, is_main = trainer.accelerator, trainer.is_main
     try:
@@ -337,18 +359,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_replica(args: argparse.Namespace) -> int:
     save = REPLICAS.get(args.name)
     options = apply_overrides({}, list(args.overrides))
-    unknown = sorted(set(options) - {"output_dir", "seed"})
+    unknown = sorted(set(options) - {"output_dir", "seed", "full"})
     if unknown:
-        raise ConfigError(f"mmrl replica: unknown option {unknown[0]!r}: the options are output_dir and seed")
-    seed = options.get("seed", 0)
+        raise ConfigError(
+            f"mmrl replica: unknown option {unknown[0]!r}: the options are output_dir, seed and full"
+        )
+    seed, full = options.get("seed", 0), options.get("full", False)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"mmrl replica: seed = {seed!r} must be an integer")
+    if not isinstance(full, bool):
+        raise ConfigError(f"mmrl replica: full = {full!r} must be true or false")
     output_dir = Path(str(options.get("output_dir", f"runs/replicas/{args.name}")))
     if output_dir.exists() and any(output_dir.iterdir()):
         raise ConfigError(
             f"mmrl replica: output_dir {str(output_dir)!r} is not empty: give another output_dir="
         )
-    print(save(output_dir, seed=seed))
+    print(save(output_dir, seed=seed, full=full))
     return 0
 
 

@@ -69,6 +69,13 @@ class BaseConfig:
     collective_warn_seconds: float = option(
         300.0, "log a line when a process has waited this long for the others (paused or dead rank)", min=1.0
     )
+    processes: int | None = option(
+        None,
+        "the number of processes the recipe's per-process batch sizes are written for (null: any); "
+        "another number warns at start, and `mmrl train RECIPE --dry-run --processes N` gives the sizes "
+        "that keep the effective batch",
+        min=1,
+    )
     tensorboard: bool = option(False, "also write TensorBoard event files")
     progress: bool = option(True, "show progress bars")
 

@@ -166,7 +166,7 @@ REWARDS: Registry[Callable] = Registry("reward", "reward functions")
 TRAINERS: Registry[type] = Registry("trainer", "trainers, each with its config dataclass")
 BENCHES: Registry[Callable] = Registry("bench", "benchmarks run by `mmrl bench NAME`")
 REPLICAS: Registry[Callable] = Registry(
-    "replica", "tiny replicas of real models, saved by `mmrl replica NAME` (a function (directory, seed))"
+    "replica", "tiny replicas of real models, saved by `mmrl replica NAME` (directory, seed, full)"
 )
 EVALUATORS: Registry[Callable] = Registry(
     "evaluator", "model evaluations run by `mmrl eval NAME key=value ...`"

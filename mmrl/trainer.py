@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,6 +37,7 @@ from mmrl.checkpoint import (
     set_rng_state,
 )
 from mmrl.config import BaseConfig, ConfigError, check_output_dir, save_config, to_dict
+from mmrl.memory_plan import MemoryPlan
 from mmrl.runlog import MetricsLog
 from mmrl.watch import CollectiveWatch
 
@@ -89,6 +91,20 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics of the current model."""
         raise NotImplementedError
+
+    @classmethod
+    def memory_plan(cls, config: BaseConfig, recipe: str, processes: int) -> MemoryPlan:
+        """What a process of this recipe will hold, built on the meta device (`mmrl train RECIPE
+        --dry-run`, see `mmrl.memory_plan`); a trainer that can plan itself overrides this."""
+        from mmrl.registry import TRAINERS
+
+        planned = [
+            name for name in TRAINERS.names() if TRAINERS.get(name).memory_plan.__func__ is not _NO_PLAN
+        ]
+        raise ConfigError(
+            f"--dry-run: the {config.trainer} trainer has no memory plan yet; trainers with one: "
+            f"{', '.join(planned) or 'none'}"
+        )
 
     def trainer_state(self) -> dict[str, Any]:
         """Extra state that must survive a restart (e.g. the sampler's)."""
@@ -291,6 +307,14 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         """Run (or resume) training to `config.steps`; return the final evaluation."""
+        written_for, processes = self.config.processes, self.accelerator.num_processes
+        if written_for is not None and written_for != processes and self.is_main:
+            print(
+                f"warning: the recipe's batch sizes are per process and written for {written_for} "
+                f"process(es); on {processes} the effective batch differs (`mmrl train RECIPE --dry-run "
+                f"--processes {processes}` gives the sizes that keep it)",
+                file=sys.stderr,
+            )
         self.prepare_run_dir()
         self.seed_everything()
         self.setup()
@@ -461,3 +485,6 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+_NO_PLAN = Trainer.memory_plan.__func__

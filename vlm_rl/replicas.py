@@ -17,6 +17,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
 from mmrl.registry import REPLICAS
@@ -92,11 +93,12 @@ def build_full() -> Qwen2_5_VLForConditionalGeneration:
 
 
 @REPLICAS.register("qwen25vl_3b")
-def qwen25vl_3b(directory: str | Path, seed: int = 0) -> Path:
-    """Qwen2.5-VL-3B-Instruct: Qwen2_5_VLForConditionalGeneration with its window-attention vision tower."""
+def qwen25vl_3b(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
+    """Qwen2.5-VL-3B-Instruct: Qwen2_5_VLForConditionalGeneration with its window-attention vision tower.
+    `full`: the full-size config with the replica's tokenizer and image processor, no weights."""
     directory = Path(directory)
-    text, vision = configs(tiny=True)
-    tokenizer = build_chat_tokenizer(task_vocabulary(DataConfig()), text["max_position_embeddings"])
+    text, vision = configs(tiny=not full)
+    tokenizer = build_chat_tokenizer(task_vocabulary(DataConfig()), TINY["text"]["max_position_embeddings"])
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=56 * 56,
         max_pixels=112 * 112,
@@ -104,6 +106,13 @@ def qwen25vl_3b(directory: str | Path, seed: int = 0) -> Path:
         merge_size=vision["spatial_merge_size"],
         temporal_patch_size=vision["temporal_patch_size"],
     )
+    if full:
+        with torch.device("meta"):
+            model = build_full()
+        model.config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        image_processor.save_pretrained(directory)
+        return directory
     adapter = QwenVLAdapter.build(ARCHITECTURE, text, vision, tokenizer, image_processor, seed)
     adapter.save_pretrained(directory)
     return directory

@@ -1,0 +1,177 @@
+"""The diffusion trainers' plan for `mmrl train RECIPE --dry-run` (see `mmrl.memory_plan`).
+
+The pipeline is built from its config files on the meta device (`FlowPipeline.from_configs`), with the
+LoRA adapter, the reference copy and the optimizer the trainer would make. Four phases are measured:
+the update (a forward and backward of `train.micro_batch` rows through the velocity the trainer
+trains, guidance included where it trains with it, then the optimizer step), a rollout step (one
+model call on every row a step evaluates at once, twice with classifier-free guidance), decoding
+every sample to pixels, and a held-out evaluation's chunk of prompts (a model call and decoding).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusion_rl.branch_rollout import plan_for
+from diffusion_rl.diffusion_trainer import resolve_model_path, trainable_denoiser
+from diffusion_rl.models import FlowPipeline
+from diffusion_rl.quantized_exploration import exploration_plan
+from mmrl.config import ConfigError
+from mmrl.memory_plan import MemoryPlan, measure_phase, parameter_count, per_process_sizes, weight_bytes
+
+EVAL_BATCH = 64  # sample_ode's prompts per chunk
+PROMPT = "a photo of a red square"  # any prompt: the conditioning's shape does not depend on it
+
+
+def tree_rows(plan: Any) -> tuple[list[int], int]:
+    """Rows (nodes) evaluated at each step of one prompt's tree, and its leaves."""
+    rows, per_step = 1, []
+    for i in range(plan.steps):
+        rows *= plan.branch_factor if i in plan.split_steps else 1
+        per_step.append(rows)
+    return per_step, rows
+
+
+def reward_model_bytes(names_and_options: list[tuple[str, dict[str, Any]]]) -> int:
+    """Weights of the rewards that load a transformers model from `model_path` (CLIP score, PickScore,
+    aesthetic), built from its config on the meta device; rewards without one hold small scorers."""
+    from transformers import AutoConfig, AutoModel
+
+    total = 0
+    for name, options in names_and_options:
+        path = options.get("model_path")
+        if path is None or not (Path(path) / "config.json").is_file():
+            continue
+        try:
+            with torch.device("meta"):
+                model = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+        except (OSError, ValueError, KeyError) as err:
+            raise ConfigError(f"config error: reward {name!r}: model_path = {path!r}: {err}") from None
+        total += weight_bytes([model])
+    return total
+
+
+def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPlan:
+    r, t = config.rollout, config.train
+    nft = config.trainer == "diffusion_nft"
+    with torch.device("meta"):
+        pipe = FlowPipeline.from_configs(resolve_model_path(config.model.path))
+        if r.image_size is not None:
+            try:
+                pipe.set_image_size(r.image_size)
+            except ValueError as err:
+                raise ConfigError(f"config error: rollout.image_size = {r.image_size}: {err}") from None
+        reference = copy.deepcopy(pipe.denoiser).requires_grad_(False) if t.kl_coef > 0 else None
+        trained = trainable_denoiser(pipe.denoiser, config.model)
+        optimizer = torch.optim.AdamW(trained, lr=t.lr)
+    denoiser = pipe.denoiser
+    guidance = r.guidance_scale
+    guided = guidance != 1.0 and not pipe.guidance_embedded  # classifier-free: two rows per row
+
+    def velocity(rows: int, scale: float) -> torch.Tensor:
+        uncond = pipe.encode_prompts([""] * rows) if scale != 1.0 and not pipe.guidance_embedded else None
+        x = torch.empty(rows, *pipe.latent_shape(), device="meta")
+        sigma = torch.full((rows,), 0.5, device="meta")
+        return pipe.velocity(x, sigma, pipe.encode_prompts([PROMPT] * rows), scale, uncond)
+
+    # the update: NFT trains the velocity without classifier-free guidance (a guidance-distilled model
+    # at its embedded guidance); BranchGRPO trains the guided velocity of its sampling steps
+    train_guidance = (guidance if pipe.guidance_embedded else 1.0) if nft else guidance
+
+    def update() -> None:
+        velocity(t.micro_batch, train_guidance).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    update()  # the first step creates the optimizer's states, which every later phase holds
+    if nft:
+        group = r.group_size
+        leaves = max(group, config.explore.pool if config.explore.enabled else 0)
+        call_rows = r.prompts_per_step * leaves
+        steps_rows = [group] * r.steps
+    else:
+        steps_rows, leaves = tree_rows(plan_for(r))
+        if config.explore.enabled:
+            explore_rows, explore_leaves = tree_rows(exploration_plan(r, config.explore))
+            leaves = max(leaves, explore_leaves)
+        call_rows = r.prompts_per_step * leaves
+
+    def rollout() -> None:
+        with torch.no_grad():
+            velocity(call_rows, guidance)
+
+    def decode() -> None:
+        with torch.no_grad():
+            pipe.decode(torch.empty(call_rows, *pipe.latent_shape(), device="meta"))
+
+    eval_rows = min(config.eval.prompts, EVAL_BATCH)
+
+    def evaluate() -> None:  # sample_ode: a model call on a chunk of prompts, then their decoding
+        with torch.no_grad():
+            velocity(eval_rows, config.eval.guidance_scale)
+            pipe.decode(torch.empty(eval_rows, *pipe.latent_shape(), device="meta"))
+
+    phases = {
+        f"update ({t.micro_batch} rows)": measure_phase(update, denoiser, optimizer),
+        f"rollout step ({call_rows} rows)": measure_phase(rollout, denoiser, optimizer),
+        f"decode ({call_rows} images)": measure_phase(decode, denoiser, optimizer),
+        f"evaluation ({eval_rows} prompts)": measure_phase(evaluate, denoiser, optimizer),
+    }
+    frozen = [pipe.text_encoder] if pipe.text_encoder is not None else []
+    if pipe.diffusers_pipeline is not None:
+        frozen = [
+            module
+            for name, module in pipe.diffusers_pipeline.components.items()
+            if name.startswith("text_encoder") and module is not None
+        ]
+    other = {"text encoders": weight_bytes(frozen)}
+    if pipe.vae is not None:
+        other["vae"] = weight_bytes([pipe.vae])
+    if reference is not None:
+        other["reference (kl)"] = weight_bytes([reference])
+    copies = (1 if nft else 0) + (1 if t.ema_decay > 0 else 0)  # old policy (NFT), EMA
+    if copies:
+        other["old policy / EMA"] = copies * sum(p.numel() * p.element_size() for p in trained)
+    rewards = [(term["name"], term.get("options") or {}) for term in (config.reward.terms or [])]
+    if config.reward.terms is None:
+        rewards = [(config.reward.name, config.reward.options or {})]
+    if config.eval.gold_reward is not None:
+        rewards.append((config.eval.gold_reward["name"], config.eval.gold_reward["options"]))
+    reward_bytes = reward_model_bytes(rewards)
+    if reward_bytes:
+        other["reward models"] = reward_bytes
+
+    per_call = 2 if guided else 1
+    prompts = r.prompts_per_step
+    work = {
+        "denoiser evaluations in rollouts": f"{prompts * sum(steps_rows) * per_call:,d} "
+        f"({prompts} prompts x {sum(steps_rows)} node steps{' x 2 (guidance)' if guided else ''})",
+        "samples rewarded": f"{prompts * leaves:,d}",
+    }
+    if config.explore.enabled and not nft:
+        work["denoiser evaluations in rollouts"] += (
+            f", plus {prompts * sum(explore_rows) * per_call:,d} in the {config.explore.precision} pool"
+        )
+    if nft and config.explore.enabled:
+        pool = config.explore.pool * (config.explore.steps or r.steps) * per_call
+        work["denoiser evaluations in rollouts"] += (
+            f", plus {prompts * pool:,d} in the {config.explore.precision} pool"
+        )
+    batch, warnings = per_process_sizes("rollout.prompts_per_step", prompts, config.processes, processes)
+    batch.append(f"{leaves} samples per prompt; updates of train.micro_batch = {t.micro_batch} rows")
+    return MemoryPlan(
+        recipe=recipe,
+        processes=processes,
+        parameters=parameter_count([denoiser, *frozen, *([pipe.vae] if pipe.vae is not None else [])]),
+        trainable=parameter_count([denoiser], trainable=True),
+        gradients=sum(p.numel() * p.element_size() for p in trained),
+        other_weights=other,
+        phases=phases,
+        work=work,
+        batch=batch,
+        warnings=warnings,
+    )

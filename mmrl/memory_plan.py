@@ -1,0 +1,250 @@
+"""What a run will need, before it starts: `mmrl train RECIPE --dry-run [--processes N]`.
+
+A trainer that can plan itself overrides `Trainer.memory_plan(config, recipe, processes)`, returning
+a `MemoryPlan`. It builds its networks from their config files on the meta device (nothing is
+allocated and no weight is read, so a 12B model plans in seconds on a laptop) and runs each phase of
+an iteration that holds tensors beyond the weights (the update's forward and backward at
+`train.micro_batch` with its optimizer step, a rollout's model call on all its rows, decoding) under
+`LiveTensorBytes`, which follows every tensor storage a phase creates until it is freed. The plan is
+the memory of one process: every weight it holds (trained, frozen, copies such as a reference model
+or an EMA),
+the gradients and optimizer states of the trained ones, and the largest phase's activations.
+
+Not counted: the allocator's fragmentation and caching, CUDA's context and kernels' workspaces, and
+tensors a trainer keeps across phases that are small beside these (latents of a rollout tree, token
+ids). The estimate is checked against allocations measured on a CPU run (tests/test_memory_plan.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+GIB = 2**30
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created under it and still alive, and their peak. Every op (of
+    forward, backward and optimizer steps alike) is seen, so on the meta device this is the memory a
+    real run of the same code would allocate, without allocating it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                for storage in get_untyped_storages(tensor):
+                    self.add(storage)
+        return out
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self.seen:
+            return
+        size = storage.nbytes()
+        self.seen.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self.free, key, size)
+
+    def free(self, key: int, size: int) -> None:
+        self.seen.discard(key)
+        self.live -= size
+
+
+@dataclass
+class PhasePeak:
+    """A phase's peak: the trained module's weights and optimizer states it was given, and the most
+    bytes its own tensors (activations, gradients, temporaries) held at once."""
+
+    weights: int
+    optimizer: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.transient
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """`F.scaled_dot_product_attention` on meta tensors as a fused kernel: the meta device would
+    otherwise take the math path, which holds every attention matrix, where CPUs and GPUs run fused
+    kernels that keep only the output and its log-sum-exp (flash attention)."""
+    plain = F.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):  # noqa: ANN001, ANN202
+        if query.device.type != "meta" or kw.get("enable_gqa"):
+            return plain(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kw)
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = plain
+
+
+def measure_phase(
+    run: Callable[[], object], module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> PhasePeak:
+    """Peak memory of `run()` beside `module`'s weights and `optimizer`'s existing states. On meta
+    tensors nothing is allocated."""
+    tracker = LiveTensorBytes()
+    with fused_attention_on_meta(), tracker:
+        run()
+    return PhasePeak(weight_bytes([module]), optimizer_state_bytes(optimizer), tracker.peak)
+
+
+def weight_bytes(modules: Iterable[torch.nn.Module]) -> int:
+    """Bytes of the parameters and buffers of `modules`, each tensor once."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def parameter_count(modules: Iterable[torch.nn.Module], trainable: bool = False) -> int:
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for p in module.parameters():
+            if id(p) not in seen and (p.requires_grad or not trainable):
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+@dataclass
+class MemoryPlan:
+    """One process's memory and work for an iteration of a recipe, and its batch on `processes`."""
+
+    recipe: str
+    processes: int
+    parameters: int
+    trainable: int
+    gradients: int  # bytes of the trained parameters' gradients (part of the update's transient peak)
+    other_weights: dict[str, int]  # bytes of weights outside the trained module, by name
+    phases: dict[str, PhasePeak]  # each phase's peak, the trained module's weights included
+    work: dict[str, str] = field(default_factory=dict)  # per iteration
+    batch: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda name: self.phases[name].total)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest phase plus every weight outside it: the expected peak allocation of a process."""
+        return sum(self.other_weights.values()) + self.phases[self.peak_phase].total
+
+    def as_dict(self) -> dict[str, object]:
+        peak = self.phases[self.peak_phase]
+        return {
+            "recipe": self.recipe,
+            "processes": self.processes,
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable,
+            "bytes": {
+                "weights": peak.weights + sum(self.other_weights.values()),
+                "gradients": self.gradients,
+                "optimizer_states": peak.optimizer,
+                "activations_and_gradients": peak.transient,
+                "peak": self.peak_bytes,
+            },
+            "other_weights": dict(self.other_weights),
+            "phases": {name: phase.total for name, phase in self.phases.items()},
+            "peak_phase": self.peak_phase,
+            "work_per_iteration": dict(self.work),
+            "batch": list(self.batch),
+            "warnings": list(self.warnings),
+        }
+
+    def format(self) -> str:
+        peak = self.phases[self.peak_phase]
+        gib = human_bytes
+        lines = [
+            f"plan for {self.recipe} on {self.processes} process(es), per process (float32 unless the "
+            "weights are saved in another dtype; no allocator overhead):",
+            f"  parameters        {self.parameters:>15,d}",
+            f"  trainable         {self.trainable:>15,d}",
+            f"  weights           {gib(peak.weights + sum(self.other_weights.values()))}"
+            + "".join(f"\n    {name:<16}{gib(size)}" for name, size in self.other_weights.items()),
+            f"  gradients         {gib(self.gradients)}  (while the update runs)",
+            f"  optimizer states  {gib(peak.optimizer)}",
+            f"  activations       {gib(peak.transient)}  (with any gradients alive then: {self.peak_phase})",
+            f"  expected peak     {gib(self.peak_bytes)}",
+            "  phases (the trained module, its optimizer states and the phase's own tensors at its peak):",
+            *(f"    {name:<28}{gib(phase.total)}" for name, phase in self.phases.items()),
+            "per iteration:",
+            *(f"  {name}: {value}" for name, value in self.work.items()),
+            "batch:",
+            *(f"  {line}" for line in self.batch),
+        ]
+        lines += [f"warning: {line}" for line in self.warnings]
+        return "\n".join(lines)
+
+
+def human_bytes(size: int) -> str:
+    """`size` bytes in GiB from 1 GiB up, else in MiB, right-aligned."""
+    return f"{size / GIB:8.2f} GiB" if size >= GIB else f"{size / 2**20:8.2f} MiB"
+
+
+def per_process_sizes(
+    key: str, per_process: int, recipe_processes: int | None, processes: int
+) -> tuple[list[str], list[str]]:
+    """Lines about a per-process batch size `key` on `processes`, against the number of processes the
+    recipe's sizes were written for (`processes` key of the config; None: any), and warnings when the
+    effective batch changes."""
+    total = per_process * processes
+    lines = [f"{key} = {per_process} per process: {total} in all on {processes} process(es)"]
+    warnings: list[str] = []
+    if recipe_processes is None or recipe_processes == processes:
+        return lines, warnings
+    intended = per_process * recipe_processes
+    if intended % processes == 0:
+        keep = intended // processes
+        lines.append(
+            f"the recipe is written for {recipe_processes} process(es) ({intended} in all): "
+            f"{key}={keep} keeps that on {processes}"
+        )
+    else:
+        lines.append(
+            f"the recipe is written for {recipe_processes} process(es) ({intended} in all), which "
+            f"{processes} process(es) cannot split evenly"
+        )
+    warnings.append(
+        f"on {processes} process(es) the effective {key} is {total}, not the recipe's {intended}: "
+        "group statistics and the learning rate's scale change"
+    )
+    return lines, warnings

@@ -1,0 +1,166 @@
+"""`mmrl train RECIPE --dry-run`: the plan built on the meta device against the allocations a CPU run
+of the same recipe makes (measured by torch's profiler), the full-size plan without weights, the batch
+on another number of processes, and the errors."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from diffusion_rl.models import FlowPipeline
+from mmrl.cli import load_plugins, main
+from mmrl.config import load_config
+from mmrl.memory_plan import LiveTensorBytes, fused_attention_on_meta
+from mmrl.registry import REPLICAS, TRAINERS
+
+load_plugins()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    return {name: REPLICAS.get(name)(root / name) for name in ("sd35m", "flux_dev", "pickscore")}
+
+
+def peak_allocation(run) -> int:
+    """The most bytes the CPU allocator held at once during `run()` beyond what it held before, from
+    the profiler's allocation and free events in time order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+RUNS = {
+    "diffusion/sd35m_pickscore_lora": ("sd35m", ["rollout.branch_factor=4", "rollout.steps=3"]),
+    "diffusion/flux_dev_branchgrpo_lora": ("flux_dev", ["rollout.steps=4", "rollout.split_steps=[0,2]"]),
+    "diffusion/sol_rl_flux": (
+        "flux_dev",
+        ["rollout.group_size=4", "rollout.steps=3", "explore.pool=8", "explore.steps=2"],
+    ),
+    "diffusion/nft": (
+        None,
+        ["rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.steps=4", "eval.prompts=16"],
+    ),
+}
+
+
+def run_config(recipe, replicas, tmp_path, *extra):
+    model, sizes = RUNS[recipe]
+    overrides = [
+        f"output_dir={tmp_path / 'run'}",
+        "steps=1",
+        "progress=false",
+        "eval.steps=2",
+        *sizes,
+        *extra,
+    ]
+    if model is not None:
+        train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
+        train.write_text("a red square\ntwo blue crosses\na photo of a cat\n")
+        heldout.write_text("a purple triangle\na dog in the snow\n")
+        clip = replicas["pickscore"]
+        overrides += [
+            f"model.path={replicas[model]}",
+            f"prompt_file={train}",
+            f"eval.prompt_file={heldout}",
+            f"reward.options.model_path={clip}",
+            f"eval.gold_reward.options.model_path={clip}",
+            "rollout.image_size=64",
+            "rollout.prompts_per_step=1",
+            "eval.prompts=2",
+        ]
+    return load_config(recipe, overrides)
+
+
+@pytest.mark.parametrize("recipe", sorted(RUNS))
+def test_the_plan_is_within_a_fifth_of_what_a_cpu_run_allocates(replicas, tmp_path, recipe):
+    config = run_config(recipe, replicas, tmp_path)
+    trainer_class = TRAINERS.get(config.trainer)
+    plan = trainer_class.memory_plan(config, recipe, 1)
+    measured = peak_allocation(lambda: trainer_class(config).train())  # loading the weights included
+    assert abs(plan.peak_bytes / measured - 1) < 0.2, (plan.peak_bytes, measured)
+
+
+def test_meta_tensors_count_what_the_same_cpu_update_allocates(replicas):
+    """Attention as a fused kernel on the meta device: the math path would hold every attention matrix."""
+    peaks = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            pipe = FlowPipeline.from_configs(replicas["sd35m"])
+        cond, uncond = pipe.encode_prompts(["a red square"] * 4), pipe.encode_prompts([""] * 4)
+        x = torch.zeros(4, *pipe.latent_shape(), device=device)
+        tracker = LiveTensorBytes()
+        with fused_attention_on_meta(), tracker:
+            pipe.velocity(
+                x, torch.full((4,), 0.5, device=device), cond, 4.5, uncond
+            ).square().mean().backward()
+        peaks[device] = tracker.peak
+    assert peaks["meta"] == peaks["cpu"] > 0
+
+
+def test_a_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "diffusion/nft", f"output_dir={out}", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    for line in ("parameters", "trainable", "optimizer states", "activations", "expected peak"):
+        assert line in text
+    assert "denoiser evaluations in rollouts: 640" in text  # 4 prompts x 16 samples x 10 steps
+    assert not out.exists()
+
+
+def test_the_batch_that_keeps_the_recipe_s_on_fewer_processes(tmp_path, capsys):
+    args = ["train", "diffusion/nft", f"output_dir={tmp_path / 'run'}", "processes=8", "--dry-run"]
+    assert main([*args, "--processes", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "rollout.prompts_per_step=16 keeps that on 2" in text  # 4 per process x 8 = 32 in all
+    assert (
+        "warning: on 2 process(es) the effective rollout.prompts_per_step is 8, not the recipe's 32" in text
+    )
+    assert main([*args, "--processes", "3"]) == 0
+    assert "which 3 process(es) cannot split evenly" in capsys.readouterr().out
+    assert main([*args, "--processes", "8"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_run_on_another_number_of_processes_than_the_recipe_s_warns(replicas, tmp_path, capsys):
+    config = run_config("diffusion/sd35m_pickscore_lora", replicas, tmp_path, "processes=4")
+    TRAINERS.get(config.trainer)(config).train()
+    assert "written for 4 process(es); on 1 the effective batch differs" in capsys.readouterr().err
+
+
+def test_dry_run_mistakes_are_one_line_errors(tmp_path, capsys):
+    assert main(["train", "diffusion/nft", f"output_dir={tmp_path / 'a'}", "--processes", "2"]) == 2
+    assert "use it with --dry-run" in capsys.readouterr().err
+    assert main(["train", "vla/habc", f"output_dir={tmp_path / 'b'}", "--dry-run"]) == 2
+    assert "the vla_habc trainer has no memory plan yet; trainers with one: " in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
+    """FLUX.1-dev at full size (no weights: `mmrl replica flux_dev full=true`) with LoRA, in seconds."""
+    flux, clip = tmp_path / "flux", tmp_path / "pickscore"
+    assert main(["replica", "flux_dev", "full=true", f"output_dir={flux}"]) == 0
+    assert main(["replica", "pickscore", "full=true", f"output_dir={clip}"]) == 0
+    assert not list(flux.rglob("*.safetensors"))
+    capsys.readouterr()
+    config = load_config(
+        "diffusion/flux_dev_branchgrpo_lora",
+        [
+            f"model.path={flux}",
+            f"reward.options.model_path={clip}",
+            f"eval.gold_reward.options.model_path={clip}",
+        ],
+    )
+    plan = TRAINERS.get(config.trainer).memory_plan(config, "flux", 8).as_dict()
+    # transformer 11.9B, T5-XXL 4.76B, CLIP-L 0.12B, VAE 0.08B
+    assert 16.8e9 < plan["parameters"] < 17.0e9
+    assert 0 < plan["trainable_parameters"] < 0.01 * plan["parameters"]  # a LoRA adapter
+    sizes = plan["bytes"]
+    assert sizes["weights"] > 4 * plan["parameters"]  # float32, plus the reward models
+    assert sizes["gradients"] == 4 * plan["trainable_parameters"]
+    # AdamW's two moments, and a step count per tensor
+    assert 2 * sizes["gradients"] < sizes["optimizer_states"] < 2 * sizes["gradients"] + 10_000
+    assert sizes["peak"] > sizes["weights"] + sizes["activations_and_gradients"] - 1
