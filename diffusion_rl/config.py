@@ -22,6 +22,15 @@ class ModelConfig:
     )
     lora_rank: int = option(0, "LoRA rank on the denoiser's attention; 0 trains every weight", min=0)
     lora_alpha: float = option(0.0, "LoRA alpha (0: equal to the rank)", min=0.0)
+    lora_targets: Literal["attention", "attention_mlp"] = option(
+        "attention",
+        "what LoRA adapts: the image stream's attention projections (to_q, to_k, to_v, to_out), or "
+        "attention_mlp: those, the text stream's (add_q/k/v_proj, to_add_out) and the MLP projections "
+        "(ff, ff_context; FLUX's single blocks' proj_mlp)",
+    )
+    gradient_checkpointing: bool = option(
+        False, "recompute the denoiser's blocks in the backward pass instead of keeping their activations"
+    )
 
 
 @dataclass

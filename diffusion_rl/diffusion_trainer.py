@@ -41,7 +41,13 @@ from mmrl.samplers import build_sampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree
 
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+LORA_TARGETS = {  # module-name suffixes, by model.lora_targets
+    "attention": ["to_q", "to_k", "to_v", "to_out.0"],
+    "attention_mlp": [
+        *["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+        *["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"],
+    ],
+}
 GOLD_KEY = "gold"  # held-out metric heldout_gold
 DIVERGENCE_KEY = "divergence"  # eval.json entry of the reward-hacking check
 
@@ -96,7 +102,10 @@ def resolve_model_path(path: str) -> Path:
 
 def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[torch.nn.Parameter]:
     """The parameters training updates: every weight, or (model.lora_rank > 0) a LoRA adapter added
-    on the attention projections (LORA_TARGETS), the rest frozen."""
+    on the projections model.lora_targets names (LORA_TARGETS), the rest frozen. With
+    model.gradient_checkpointing the denoiser recomputes its blocks in the backward pass."""
+    if model.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
     if model.lora_rank > 0:
         from peft import LoraConfig
 
@@ -106,7 +115,7 @@ def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[to
                 r=model.lora_rank,
                 lora_alpha=model.lora_alpha or model.lora_rank,
                 init_lora_weights="gaussian",
-                target_modules=LORA_TARGETS,
+                target_modules=LORA_TARGETS[model.lora_targets],
             )
         )
     return [p for p in denoiser.parameters() if p.requires_grad]

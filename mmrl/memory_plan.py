@@ -43,11 +43,20 @@ class LiveTensorBytes(TorchDispatchMode):
         self.seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # an output that shares an input's storage (a view, an in-place op) allocates nothing
+        inputs = {
+            id(st)
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+            for st in get_untyped_storages(t)
+        }
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 for storage in get_untyped_storages(tensor):
-                    self.add(storage)
+                    if id(storage) not in inputs:
+                        self.add(storage)
         return out
 
     def add(self, storage: torch.UntypedStorage) -> None:

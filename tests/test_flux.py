@@ -236,18 +236,30 @@ def test_guidance_maps_to_the_embedding_or_to_cfg(flux_dirs):
         schnell.velocity(x, sigma, schnell.encode_prompts([PROMPT, PROMPT]), 3.0)
 
 
-def test_lora_targets_cover_both_flux_block_kinds(flux_dirs):
+@pytest.mark.parametrize("targets", ["attention", "attention_mlp"])
+def test_lora_targets_cover_both_flux_block_kinds(flux_dirs, targets):
     from peft import LoraConfig
 
     transformer = FlowPipeline.from_pretrained(flux_dirs["dev"]).denoiser
-    transformer.add_adapter(LoraConfig(r=2, target_modules=LORA_TARGETS))
+    transformer.add_adapter(LoraConfig(r=2, target_modules=LORA_TARGETS[targets]))
     adapted = {
         name.rsplit(".lora_A", 1)[0] for name, _ in transformer.named_parameters() if ".lora_A" in name
     }
-    assert adapted == {
+    attention = {
         *(f"transformer_blocks.0.attn.{m}" for m in ("to_q", "to_k", "to_v", "to_out.0")),
         *(f"single_transformer_blocks.0.attn.{m}" for m in ("to_q", "to_k", "to_v")),
     }
+    if targets == "attention":
+        assert adapted == attention
+        return
+    text_stream = {
+        f"transformer_blocks.0.attn.{m}" for m in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    }
+    mlp = {
+        *(f"transformer_blocks.0.{ff}.net.{i}" for ff in ("ff", "ff_context") for i in ("0.proj", "2")),
+        "single_transformer_blocks.0.proj_mlp",
+    }
+    assert adapted == attention | text_stream | mlp
 
 
 TRAIN = {

@@ -4,6 +4,7 @@ on another number of processes, and the errors."""
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.profiler import ProfilerActivity, profile
 
 from diffusion_rl.models import FlowPipeline
@@ -146,15 +147,15 @@ def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
     assert main(["replica", "pickscore", "full=true", f"output_dir={clip}"]) == 0
     assert not list(flux.rglob("*.safetensors"))
     capsys.readouterr()
-    config = load_config(
-        "diffusion/flux_dev_branchgrpo_lora",
-        [
-            f"model.path={flux}",
-            f"reward.options.model_path={clip}",
-            f"eval.gold_reward.options.model_path={clip}",
-        ],
-    )
-    plan = TRAINERS.get(config.trainer).memory_plan(config, "flux", 8).as_dict()
+    overrides = [
+        f"model.path={flux}",
+        f"reward.options.model_path={clip}",
+        f"eval.gold_reward.options.model_path={clip}",
+    ]
+    config = load_config("diffusion/flux_dev_branchgrpo_lora", overrides)
+    trainer_class = TRAINERS.get(config.trainer)
+    checkpointed = trainer_class.memory_plan(config, "flux", 8)
+    plan = checkpointed.as_dict()
     # transformer 11.9B, T5-XXL 4.76B, CLIP-L 0.12B, VAE 0.08B
     assert 16.8e9 < plan["parameters"] < 17.0e9
     assert 0 < plan["trainable_parameters"] < 0.01 * plan["parameters"]  # a LoRA adapter
@@ -164,3 +165,30 @@ def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
     # AdamW's two moments, and a step count per tensor
     assert 2 * sizes["gradients"] < sizes["optimizer_states"] < 2 * sizes["gradients"] + 10_000
     assert sizes["peak"] > sizes["weights"] + sizes["activations_and_gradients"] - 1
+    # the recipe recomputes blocks in the backward pass; keeping their activations costs far more
+    kept = trainer_class.memory_plan(
+        load_config("diffusion/flux_dev_branchgrpo_lora", [*overrides, "model.gradient_checkpointing=false"]),
+        "flux",
+        8,
+    )
+    update = next(name for name in kept.phases if name.startswith("update"))
+    assert checkpointed.phases[update].transient * 5 < kept.phases[update].transient
+
+
+def test_gradient_checkpointing_cuts_the_update_s_activations_and_not_its_result(replicas, tmp_path):
+    results, plans = {}, {}
+    for flag in (False, True):
+        run = tmp_path / str(flag)
+        run.mkdir()
+        config = run_config(
+            "diffusion/sd35m_pickscore_lora", replicas, run, f"model.gradient_checkpointing={flag}"
+        )
+        trainer_class = TRAINERS.get(config.trainer)
+        plans[flag] = trainer_class.memory_plan(config, "sd35m", 1).phases
+        trainer_class(config).train()
+        results[flag] = load_file(run / "run" / "final" / "pytorch_lora_weights.safetensors")
+    update = next(name for name in plans[False] if name.startswith("update"))
+    assert plans[True][update].transient < 0.9 * plans[False][update].transient  # 2 blocks only
+    assert results[True].keys() == results[False].keys()
+    for name, weight in results[False].items():
+        torch.testing.assert_close(results[True][name], weight, rtol=0, atol=1e-6)
