@@ -5,11 +5,13 @@ import json
 
 import pytest
 import torch
+import yaml
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.replicas import FULL, build_full
 from mmrl.cli import load_plugins, main
+from mmrl.config import CONFIG_ROOT as CONFIGS
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import REPLICAS, REWARDS, TRAINERS
 from vlm_rl.models import VLMAdapter
@@ -204,3 +206,22 @@ def test_a_heldout_prompt_file_shorter_than_eval_prompts_is_refused(replicas, tm
     with pytest.raises(ConfigError, match="holds 3 prompts, fewer than eval.prompts = 5"):
         TRAINERS.get(config.trainer)(config).train()
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize(
+    ("launch", "name"),
+    [
+        ("fsdp_1node_8gpu_flux", "flux_dev"),
+        ("fsdp_1node_8gpu_sd3", "sd35m"),
+        ("fsdp_1node_8gpu_qwen25vl", "qwen25vl_3b"),
+    ],
+)
+def test_fsdp_configs_wrap_blocks_the_models_have(replicas, launch, name):
+    config = yaml.safe_load((CONFIGS / "accelerate" / f"{launch}.yaml").read_text())
+    wrapped = config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"].split(",")
+    if name == "qwen25vl_3b":
+        model = VLMAdapter.from_pretrained(replicas[name]).model
+    else:
+        model = FlowPipeline.from_pretrained(replicas[name]).denoiser
+    classes = {type(module).__name__ for module in model.modules()}
+    assert set(wrapped) <= classes, sorted(set(wrapped) - classes)
