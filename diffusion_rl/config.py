@@ -28,6 +28,10 @@ class ModelConfig:
         "attention_mlp: those, the text stream's (add_q/k/v_proj, to_add_out) and the MLP projections "
         "(ff, ff_context; FLUX's single blocks' proj_mlp)",
     )
+    frozen_dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "float32",
+        "dtype of the text encoders and the VAE, which are never trained (bfloat16: half the memory)",
+    )
     gradient_checkpointing: bool = option(
         False, "recompute the denoiser's blocks in the backward pass instead of keeping their activations"
     )

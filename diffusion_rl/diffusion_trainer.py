@@ -256,6 +256,7 @@ class DiffusionTrainer(Trainer):
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         self.pipe.to(self.accelerator.device)
+        self.pipe.set_frozen_dtype(getattr(torch, cfg.model.frozen_dtype))
         if cfg.rollout.image_size is not None:
             try:
                 self.pipe.set_image_size(cfg.rollout.image_size)

@@ -60,6 +60,7 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     nft = config.trainer == "diffusion_nft"
     with torch.device("meta"):
         pipe = FlowPipeline.from_configs(resolve_model_path(config.model.path))
+        pipe.set_frozen_dtype(getattr(torch, config.model.frozen_dtype))
         if r.image_size is not None:
             try:
                 pipe.set_image_size(r.image_size)
@@ -121,14 +122,9 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         f"decode ({call_rows} images)": measure_phase(decode, denoiser, optimizer),
         f"evaluation ({eval_rows} prompts)": measure_phase(evaluate, denoiser, optimizer),
     }
-    frozen = [pipe.text_encoder] if pipe.text_encoder is not None else []
-    if pipe.diffusers_pipeline is not None:
-        frozen = [
-            module
-            for name, module in pipe.diffusers_pipeline.components.items()
-            if name.startswith("text_encoder") and module is not None
-        ]
-    other = {"text encoders": weight_bytes(frozen)}
+    frozen = pipe.frozen_modules()
+    text_encoders = [module for module in frozen if module is not pipe.vae]
+    other = {"text encoders": weight_bytes(text_encoders)}
     if pipe.vae is not None:
         other["vae"] = weight_bytes([pipe.vae])
     if reference is not None:
@@ -166,7 +162,7 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     return MemoryPlan(
         recipe=recipe,
         processes=processes,
-        parameters=parameter_count([denoiser, *frozen, *([pipe.vae] if pipe.vae is not None else [])]),
+        parameters=parameter_count([denoiser, *frozen]),
         trainable=parameter_count([denoiser], trainable=True),
         gradients=sum(p.numel() * p.element_size() for p in trained),
         other_weights=other,

@@ -195,6 +195,9 @@ class Conditioning:
         pooled = None if parts[0].pooled is None else torch.cat([p.pooled for p in parts])
         return Conditioning(torch.cat([p.embeds for p in parts]), pooled)
 
+    def to(self, dtype: torch.dtype) -> Conditioning:
+        return Conditioning(self.embeds.to(dtype), None if self.pooled is None else self.pooled.to(dtype))
+
 
 class FlowPipeline:
     """A text-to-image model driven in flow coordinates (see the module docstring)."""
@@ -661,8 +664,28 @@ class FlowPipeline:
         tokenizer = self.diffusers_pipeline.tokenizer_2
         return min(FLUX_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
 
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The networks that are never trained: the text encoders and the VAE."""
+        if self.diffusers_pipeline is None:
+            parts = [self.text_encoder, self.vae]
+        else:
+            components = self.diffusers_pipeline.components
+            parts = [module for name, module in components.items() if name.startswith("text_encoder")]
+            parts.append(self.vae)
+        return [module for module in parts if module is not None]
+
+    def set_frozen_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the text encoders and the VAE in `dtype` (e.g. bfloat16: half the memory of float32);
+        prompt embeddings come out in the denoiser's dtype and images in float32 all the same."""
+        for module in self.frozen_modules():
+            module.to(dtype)
+
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
+        dtype = next(self.denoiser.parameters()).dtype
+        return self._encode_prompts(prompts).to(dtype)
+
+    def _encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
         if self.diffusers_pipeline is not None:
             return self._encode_with_diffusers(list(prompts))
         tokens = self.tokenizer(

@@ -203,8 +203,8 @@ class MemoryPlan:
         peak = self.phases[self.peak_phase]
         gib = human_bytes
         lines = [
-            f"plan for {self.recipe} on {self.processes} process(es), per process (float32 unless the "
-            "weights are saved in another dtype; no allocator overhead):",
+            f"plan for {self.recipe} on {self.processes} process(es), per process (in the dtypes the run "
+            "keeps; no allocator overhead):",
             f"  parameters        {self.parameters:>15,d}",
             f"  trainable         {self.trainable:>15,d}",
             f"  weights           {gib(peak.weights + sum(self.other_weights.values()))}"

@@ -160,7 +160,9 @@ def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
     assert 16.8e9 < plan["parameters"] < 17.0e9
     assert 0 < plan["trainable_parameters"] < 0.01 * plan["parameters"]  # a LoRA adapter
     sizes = plan["bytes"]
-    assert sizes["weights"] > 4 * plan["parameters"]  # float32, plus the reward models
+    # the transformer in float32, the text encoders in bfloat16 (model.frozen_dtype), the reward models
+    assert sizes["weights"] > 4 * 11.9e9 + 2 * 4.88e9
+    assert plan["other_weights"]["text encoders"] < 2.01 * 4.88e9
     assert sizes["gradients"] == 4 * plan["trainable_parameters"]
     # AdamW's two moments, and a step count per tensor
     assert 2 * sizes["gradients"] < sizes["optimizer_states"] < 2 * sizes["gradients"] + 10_000
@@ -192,3 +194,18 @@ def test_gradient_checkpointing_cuts_the_update_s_activations_and_not_its_result
     assert results[True].keys() == results[False].keys()
     for name, weight in results[False].items():
         torch.testing.assert_close(results[True][name], weight, rtol=0, atol=1e-6)
+
+
+def test_frozen_networks_in_bfloat16_take_half_the_memory_and_the_run_trains(replicas, tmp_path):
+    recipe = "diffusion/sd35m_pickscore_lora"
+    plans = {}
+    for dtype in ("float32", "bfloat16"):
+        (tmp_path / dtype).mkdir()
+        config = run_config(recipe, replicas, tmp_path / dtype, f"model.frozen_dtype={dtype}")
+        plans[dtype] = TRAINERS.get(config.trainer).memory_plan(config, recipe, 1).other_weights
+    for part in ("text encoders", "vae"):  # integer buffers (position ids) keep their dtype
+        assert abs(2 * plans["bfloat16"][part] / plans["float32"][part] - 1) < 0.02
+    result = TRAINERS.get(config.trainer)(config).train()  # the bfloat16 run
+    assert all(torch.isfinite(torch.tensor(value)) for value in result.values())
+    pipe = FlowPipeline.from_pretrained(tmp_path / "bfloat16" / "run" / "final")
+    assert pipe.denoiser.dtype == torch.float32  # only the frozen networks change dtype, in the run
