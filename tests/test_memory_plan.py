@@ -5,6 +5,7 @@ on another number of processes, and the errors."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_replicas import RECIPES, replica_run
 from torch.profiler import ProfilerActivity, profile
 
 from diffusion_rl.models import FlowPipeline
@@ -35,12 +36,7 @@ def peak_allocation(run) -> int:
 
 
 RUNS = {
-    "diffusion/sd35m_pickscore_lora": ("sd35m", ["rollout.branch_factor=4", "rollout.steps=3"]),
-    "diffusion/flux_dev_branchgrpo_lora": ("flux_dev", ["rollout.steps=4", "rollout.split_steps=[0,2]"]),
-    "diffusion/sol_rl_flux": (
-        "flux_dev",
-        ["rollout.group_size=4", "rollout.steps=3", "explore.pool=8", "explore.steps=2"],
-    ),
+    **RECIPES,
     "diffusion/nft": (
         None,
         ["rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.steps=4", "eval.prompts=16"],
@@ -50,30 +46,12 @@ RUNS = {
 
 def run_config(recipe, replicas, tmp_path, *extra):
     model, sizes = RUNS[recipe]
-    overrides = [
-        f"output_dir={tmp_path / 'run'}",
-        "steps=1",
-        "progress=false",
-        "eval.steps=2",
-        *sizes,
-        *extra,
-    ]
-    if model is not None:
-        train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
-        train.write_text("a red square\ntwo blue crosses\na photo of a cat\n")
-        heldout.write_text("a purple triangle\na dog in the snow\n")
-        clip = replicas["pickscore"]
-        overrides += [
-            f"model.path={replicas[model]}",
-            f"prompt_file={train}",
-            f"eval.prompt_file={heldout}",
-            f"reward.options.model_path={clip}",
-            f"eval.gold_reward.options.model_path={clip}",
-            "rollout.image_size=64",
-            "rollout.prompts_per_step=1",
-            "eval.prompts=2",
-        ]
-    return load_config(recipe, overrides)
+    overrides = (
+        ["steps=1", "progress=false", "eval.steps=2"]
+        if model is None
+        else replica_run(replicas, model, tmp_path)
+    )
+    return load_config(recipe, [*overrides, f"output_dir={tmp_path / 'run'}", *sizes, *extra])
 
 
 @pytest.mark.parametrize("recipe", sorted(RUNS))

@@ -105,11 +105,26 @@ def test_the_replica_command_writes_a_replica_and_refuses_bad_options(tmp_path, 
     assert "sd4" in capsys.readouterr().err
 
 
-def prompt_files(tmp_path):
+def replica_run(replicas, name, tmp_path) -> list[str]:
+    """Overrides that point a real-model recipe at its replica (`name`), the PickScore replica and
+    prompt files written to `tmp_path`, at 64 px with 2 held-out prompts."""
     train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
     train.write_text("\n".join(TRAIN_PROMPTS) + "\n")
     heldout.write_text("\n".join(HELDOUT_PROMPTS) + "\n")
-    return train, heldout
+    clip = replicas["pickscore"]
+    return [
+        f"model.path={replicas[name]}",
+        f"prompt_file={train}",
+        f"eval.prompt_file={heldout}",
+        f"reward.options.model_path={clip}",
+        f"eval.gold_reward.options.model_path={clip}",
+        "rollout.image_size=64",
+        "rollout.prompts_per_step=1",
+        "eval.prompts=2",
+        "eval.steps=2",
+        "steps=1",
+        "progress=false",
+    ]
 
 
 RECIPES = {
@@ -125,25 +140,8 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_each_real_model_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, recipe):
     name, sizes = RECIPES[recipe]
-    train, heldout = prompt_files(tmp_path)
-    clip = replicas["pickscore"]
     config = load_config(
-        recipe,
-        [
-            f"model.path={replicas[name]}",
-            f"output_dir={tmp_path / 'run'}",
-            f"prompt_file={train}",
-            f"eval.prompt_file={heldout}",
-            f"reward.options.model_path={clip}",
-            f"eval.gold_reward.options.model_path={clip}",
-            "rollout.image_size=64",
-            "rollout.prompts_per_step=1",
-            "eval.prompts=2",
-            "eval.steps=2",
-            "steps=1",
-            "progress=false",
-            *sizes,
-        ],
+        recipe, [*replica_run(replicas, name, tmp_path), f"output_dir={tmp_path / 'run'}", *sizes]
     )
     assert config.model.lora_rank > 0
     result = TRAINERS.get(config.trainer)(config).train()
@@ -190,19 +188,12 @@ def test_the_vlm_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, rec
 
 
 def test_a_heldout_prompt_file_shorter_than_eval_prompts_is_refused(replicas, tmp_path):
-    train, heldout = prompt_files(tmp_path)
-    config = load_config(
-        "diffusion/sd35m_pickscore_lora",
-        [
-            f"model.path={replicas['sd35m']}",
-            f"output_dir={tmp_path / 'run'}",
-            f"prompt_file={train}",
-            f"eval.prompt_file={heldout}",
-            f"reward.options.model_path={replicas['pickscore']}",
-            f"eval.gold_reward.options.model_path={replicas['pickscore']}",
-            "eval.prompts=5",
-        ],
-    )
+    overrides = [
+        *replica_run(replicas, "sd35m", tmp_path),
+        f"output_dir={tmp_path / 'run'}",
+        "eval.prompts=5",
+    ]
+    config = load_config("diffusion/sd35m_pickscore_lora", overrides)
     with pytest.raises(ConfigError, match="holds 3 prompts, fewer than eval.prompts = 5"):
         TRAINERS.get(config.trainer)(config).train()
     assert not (tmp_path / "run" / "final").exists()
