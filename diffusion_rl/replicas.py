@@ -24,14 +24,11 @@ import torch
 from diffusers import (
     AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
 )
 from transformers import (
     CLIPConfig,
-    CLIPImageProcessor,
     CLIPModel,
     CLIPTextConfig,
     CLIPTextModel,
@@ -301,6 +298,8 @@ def build(name: str, tiny: bool) -> Any:
     clip_vocab = len(clip_tokenizer) if tiny else None
     positions = {"max_position_embeddings": TOKENS} if tiny else {}
     if name == "pickscore":
+        from transformers import CLIPImageProcessor  # imported here: it warns that torchvision is absent
+
         model_config = configs["model"]
         text = {
             **model_config["text_config"],
@@ -315,6 +314,9 @@ def build(name: str, tiny: bool) -> Any:
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
         return CLIPModel(CLIPConfig(**model_config)), clip_tokenizer, processor
+    # the pipelines' modules import transformers' image processors, which warn that torchvision is absent
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
     t5_tokenizer = build_t5_tokenizer(words, max_length=TOKENS)
 
     def clip(part: str, projection: bool) -> torch.nn.Module:
