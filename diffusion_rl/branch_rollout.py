@@ -56,6 +56,14 @@ class TreePlan:
         """Heap numbering of a k-ary tree: keys (and so noise) do not depend on which nodes exist."""
         return parent_key * self.branch_factor + index + 1
 
+    def rows_per_step(self) -> list[int]:
+        """How many nodes one tree evaluates at each step (its leaves at the last)."""
+        rows, per_step = 1, []
+        for i in range(self.steps):
+            rows *= self.branch_factor if i in self.split_steps else 1
+            per_step.append(rows)
+        return per_step
+
     def leaf_keys(self) -> list[int]:
         keys = [0]
         for _ in self.split_steps:

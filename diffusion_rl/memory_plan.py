@@ -27,15 +27,6 @@ EVAL_BATCH = 64  # sample_ode's prompts per chunk
 PROMPT = "a photo of a red square"  # any prompt: the conditioning's shape does not depend on it
 
 
-def tree_rows(plan: Any) -> tuple[list[int], int]:
-    """Rows (nodes) evaluated at each step of one prompt's tree, and its leaves."""
-    rows, per_step = 1, []
-    for i in range(plan.steps):
-        rows *= plan.branch_factor if i in plan.split_steps else 1
-        per_step.append(rows)
-    return per_step, rows
-
-
 def reward_model_bytes(names_and_options: list[tuple[str, dict[str, Any]]]) -> int:
     """Weights of the rewards that load a transformers model from `model_path` (CLIP score, PickScore,
     aesthetic), built from its config on the meta device; rewards without one hold small scorers."""
@@ -95,10 +86,11 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         call_rows = r.prompts_per_step * leaves
         steps_rows = [group] * r.steps
     else:
-        steps_rows, leaves = tree_rows(plan_for(r))
+        steps_rows = plan_for(r).rows_per_step()
+        leaves = steps_rows[-1]
         if config.explore.enabled:
-            explore_rows, explore_leaves = tree_rows(exploration_plan(r, config.explore))
-            leaves = max(leaves, explore_leaves)
+            explore_rows = exploration_plan(r, config.explore).rows_per_step()
+            leaves = max(leaves, explore_rows[-1])
         call_rows = r.prompts_per_step * leaves
 
     def rollout() -> None:

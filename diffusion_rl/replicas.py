@@ -1,6 +1,6 @@
 """The real text-to-image models the GPU recipes name, as configs, and tiny replicas of them.
 
-`FULL` holds each model's component configs as published with its weights (hub id in `HUB_IDS`).
+`FULL` holds each model's component configs as published with its weights (hub ids in comments).
 They build the real architecture at full size with random weights (`build_full`: on the meta device for
 a memory plan, on a GPU for a benchmark) without downloading anything.
 
@@ -41,12 +41,6 @@ from diffusion_rl.models import build_clip_tokenizer, build_t5_tokenizer
 from diffusion_rl.shapes import vocabulary
 from mmrl.config import ConfigError
 from mmrl.registry import REPLICAS
-
-HUB_IDS = {
-    "sd35m": "stabilityai/stable-diffusion-3.5-medium",
-    "flux_dev": "black-forest-labs/FLUX.1-dev",
-    "pickscore": "yuvalkirstain/PickScore_v1",
-}
 
 _VAE_16CH = {  # SD3.5 and FLUX.1 share the 16-channel, 8x-downsampling VAE layout
     "in_channels": 3,
@@ -95,7 +89,7 @@ _T5_XXL = {  # google/t5-v1_1-xxl's encoder
 }
 
 FULL: dict[str, dict[str, dict[str, Any]]] = {
-    "sd35m": {
+    "sd35m": {  # stabilityai/stable-diffusion-3.5-medium
         "transformer": {
             "sample_size": 128,
             "patch_size": 2,
@@ -117,7 +111,7 @@ FULL: dict[str, dict[str, dict[str, Any]]] = {
         "text_encoder_3": _T5_XXL,
         "scheduler": {"num_train_timesteps": 1000, "shift": 3.0},
     },
-    "flux_dev": {
+    "flux_dev": {  # black-forest-labs/FLUX.1-dev
         "transformer": {
             "patch_size": 1,
             "in_channels": 64,
@@ -143,7 +137,7 @@ FULL: dict[str, dict[str, dict[str, Any]]] = {
             "max_image_seq_len": 4096,
         },
     },
-    "pickscore": {  # a CLIP ViT-H/14 fine-tuned on Pick-a-Pic preferences
+    "pickscore": {  # yuvalkirstain/PickScore_v1: a CLIP ViT-H/14 fine-tuned on Pick-a-Pic preferences
         "model": {
             "projection_dim": 1024,
             "text_config": {
@@ -280,13 +274,6 @@ def _t5(config: dict[str, Any], vocab_size: int) -> T5EncoderModel:
     )
 
 
-def build_denoiser(name: str, tiny: bool = False) -> torch.nn.Module:
-    """The model's transformer with random weights (call under `torch.device("meta")` to allocate
-    nothing, or on the device that runs it)."""
-    config = component_configs(name, tiny)["transformer"]
-    return (FluxTransformer2DModel if name == "flux_dev" else SD3Transformer2DModel)(**config)
-
-
 def build(name: str, tiny: bool) -> Any:
     """The model with random weights in the current default device: the diffusers pipeline
     (StableDiffusion3Pipeline, FluxPipeline), or for PickScore (CLIPModel, tokenizer, image processor).
@@ -327,7 +314,9 @@ def build(name: str, tiny: bool) -> Any:
         return _t5(configs[part], len(t5_tokenizer) if tiny else configs[part]["vocab_size"])
 
     common = {
-        "transformer": build_denoiser(name, tiny),
+        "transformer": (FluxTransformer2DModel if name == "flux_dev" else SD3Transformer2DModel)(
+            **configs["transformer"]
+        ),
         "scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
         "vae": AutoencoderKL(**configs["vae"]),
         "tokenizer": clip_tokenizer,

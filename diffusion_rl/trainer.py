@@ -85,10 +85,9 @@ def check_rollout_size(
         plans["explore.branch_factor"] = exploration_plan(r, cfg.explore)
     per_prompt = {}  # key of the branch factor: (bytes, leaves, stochastic node steps) per prompt
     for key, plan in plans.items():
-        rows, records = 1, 0
-        for i in range(plan.steps):
-            rows *= plan.branch_factor if i in plan.split_steps else 1
-            records += rows if plan.sde_mask[i] else 0
+        per_step = plan.rows_per_step()
+        rows = per_step[-1]
+        records = sum(n for n, stochastic in zip(per_step, plan.sde_mask, strict=True) if stochastic)
         need = latent * (2 * records + 2 * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
         per_prompt[key] = (need, rows, records)
     factor = max(per_prompt, key=lambda key: per_prompt[key][0])  # the larger tree: rollout or exploration

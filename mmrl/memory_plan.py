@@ -2,13 +2,13 @@
 
 A trainer that can plan itself overrides `Trainer.memory_plan(config, recipe, processes)`, returning
 a `MemoryPlan`. It builds its networks from their config files on the meta device (nothing is
-allocated and no weight is read, so a 12B model plans in seconds on a laptop) and runs each phase of
+allocated and no weight is read, so a 12B model plans in seconds on a CPU) and runs each phase of
 an iteration that holds tensors beyond the weights (the update's forward and backward at
 `train.micro_batch` with its optimizer step, a rollout's model call on all its rows, decoding) under
 `LiveTensorBytes`, which follows every tensor storage a phase creates until it is freed. The plan is
 the memory of one process: every weight it holds (trained, frozen, copies such as a reference model
-or an EMA),
-the gradients and optimizer states of the trained ones, and the largest phase's activations.
+or an EMA), the gradients and optimizer states of the trained ones, and the largest phase's
+activations.
 
 Not counted: the allocator's fragmentation and caching, CUDA's context and kernels' workspaces, and
 tensors a trainer keeps across phases that are small beside these (latents of a rollout tree, token

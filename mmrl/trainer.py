@@ -98,8 +98,9 @@ class Trainer:
         --dry-run`, see `mmrl.memory_plan`); a trainer that can plan itself overrides this."""
         from mmrl.registry import TRAINERS
 
+        unplanned = Trainer.memory_plan.__func__
         planned = [
-            name for name in TRAINERS.names() if TRAINERS.get(name).memory_plan.__func__ is not _NO_PLAN
+            name for name in TRAINERS.names() if TRAINERS.get(name).memory_plan.__func__ is not unplanned
         ]
         raise ConfigError(
             f"--dry-run: the {config.trainer} trainer has no memory plan yet; trainers with one: "
@@ -485,6 +486,3 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-_NO_PLAN = Trainer.memory_plan.__func__

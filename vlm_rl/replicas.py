@@ -1,7 +1,7 @@
 """Qwen2.5-VL-3B-Instruct as a config, and a tiny replica of it.
 
-`FULL` is the published config's text and vision entries (hub id in `HUB_ID`); `build_full` makes the
-model at full size with random weights (on the meta device for a memory plan, on a GPU for a
+`FULL` is the published config's text and vision entries (Qwen/Qwen2.5-VL-3B-Instruct); `build_full`
+makes the model at full size with random weights (on the meta device for a memory plan, on a GPU for a
 benchmark). The replica (`mmrl replica qwen25vl_3b`) is the same class, saved by `save_pretrained`
 with a tokenizer and image processor, loaded by `VLMAdapter.from_pretrained` as the real checkpoint
 is. `TINY` overrides sizes only; kept are grouped-query attention (8 query heads per key/value head),
@@ -24,7 +24,6 @@ from mmrl.registry import REPLICAS
 from vlm_rl.data import DataConfig, task_vocabulary
 from vlm_rl.models import QwenVLAdapter, build_chat_tokenizer
 
-HUB_ID = "Qwen/Qwen2.5-VL-3B-Instruct"
 ARCHITECTURE = "qwen2_5_vl"
 
 FULL: dict[str, dict[str, Any]] = {
