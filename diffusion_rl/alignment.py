@@ -18,7 +18,8 @@ reward is smooth rather than 0/1:
 - each object phrase ("two red circles", "a blue square"): P(count of that pair == asked count);
 - a position ("... on the left"): P(count == 1) * P(that object is in the region).
 
-"a red circle" means exactly one. Objects the prompt does not mention are not penalised.
+"a red circle" means exactly one. Objects the prompt does not mention are not penalised unless the
+reward is built with `unmentioned=True`.
 
 Dense per-cell targets make this train in a few minutes on a CPU, where a head that reads counts
 off pooled features needed far longer. The scorer learns from freshly drawn scenes (prompt scenes
@@ -132,8 +133,14 @@ class AlignmentScorer(nn.Module):
         return self.read_out(self(_as_batch(images, self.log_count_sigma.device)))
 
     @torch.inference_mode()
-    def score(self, images: ImageBatch, specs: Sequence[PromptSpec | str]) -> Tensor:
-        """Expected fraction of each prompt's checks that the image passes, in [0, 1]; shape [B]."""
+    def score(
+        self, images: ImageBatch, specs: Sequence[PromptSpec | str], unmentioned: bool = False
+    ) -> Tensor:
+        """Expected fraction of each prompt's checks that the image passes, in [0, 1]; shape [B].
+
+        `unmentioned` adds one check: no object of a colour-shape pair the prompt does not name,
+        P(count == 0) multiplied over those pairs.
+        """
         if len(images) != len(specs):
             raise ValueError(f"{len(images)} images but {len(specs)} prompts")
         count_probs, region_probs = self.predict(images)
@@ -145,6 +152,10 @@ class AlignmentScorer(nn.Module):
                 pair = _pair_index(spec.requirements[0])
                 region = POSITIONS.index(spec.position)
                 checks.append(count_probs[sample, pair, 1] * region_probs[sample, pair, region])
+            if unmentioned:
+                named = [_pair_index(r) for r in spec.requirements]
+                others = [pair for pair in range(len(PAIRS)) if pair not in named]
+                checks.append(count_probs[sample, others, 0].prod())
             scores.append(torch.stack(checks).mean())
         return torch.stack(scores).float() if scores else torch.zeros(0)
 
@@ -550,16 +561,20 @@ def _shape_fit(mask: np.ndarray, shape: str, xs: np.ndarray, ys: np.ndarray) -> 
 
 
 @REWARDS.register("geneval_mini")
-def geneval_mini(path: str | None = None, device: str = "cpu") -> Callable[..., Tensor]:
+def geneval_mini(
+    path: str | None = None, device: str = "cpu", unmentioned: bool = False
+) -> Callable[..., Tensor]:
     """Compositional alignment of coloured-shape images with their prompts, in [0, 1] (see module doc).
 
-    `path`: a directory saved by `train_scorer` (default: the shipped scorer). Images: [B, 3, H, W]
-    in [0, 1] or a list of [3, H, W]; prompts outside the grammar raise ValueError.
+    `path`: a directory saved by `train_scorer` (default: the shipped scorer). `unmentioned`: also
+    check that no object the prompt does not name is drawn (GenEval, like the default, ignores
+    them; a policy trained without this check learns to add them). Images: [B, 3, H, W] in [0, 1]
+    or a list of [3, H, W]; prompts outside the grammar raise ValueError.
     """
     scorer = load_scorer(path).to(device)
 
     def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
-        return scorer.score(images, [parse_prompt(prompt) for prompt in prompts]).cpu()
+        return scorer.score(images, [parse_prompt(prompt) for prompt in prompts], unmentioned).cpu()
 
     return reward
 

@@ -82,6 +82,19 @@ def test_wrong_position_keeps_the_credit_for_the_object(scorer):
     assert 0.4 < scorer.score(images, ["a red circle on the right"] * 16).mean() < 0.6  # 1 of 2 checks
 
 
+def test_unmentioned_objects_cost_only_when_asked(heldout_scenes):
+    default, strict = REWARDS.get("geneval_mini")(), REWARDS.get("geneval_mini")(unmentioned=True)
+    own = [prompt_text(spec_for(scene)) for scene in heldout_scenes[:32]]
+    clean = render_batch(heldout_scenes[:32])
+    assert strict(clean, own).mean() > 0.85
+    rng = np.random.default_rng(2)
+    with_extra = render_batch(
+        [scene_for_spec(parse_prompt("a red circle and a blue square"), rng) for _ in range(16)]
+    )
+    assert default(with_extra, ["a red circle"] * 16).mean() > 0.9  # the blue square goes unnoticed
+    assert 0.4 < strict(with_extra, ["a red circle"] * 16).mean() < 0.6  # 1 of 2 checks fails
+
+
 def test_scores_are_batched_sized_and_deterministic(scorer, heldout_scenes):
     images = render_batch(heldout_scenes[:8])
     specs = [spec_for(scene) for scene in heldout_scenes[:8]]
