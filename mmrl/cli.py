@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write RUN_DIR/report.html with metric curves and sample grids. With --compare, "
         "plot the held-out metric of several runs against wall-clock and, as logged, denoiser "
         "evaluations (NFE) or environment steps, and write its numbers to the PNG's name with .json. "
-        "Runs whose config.yaml differs only in seed and output_dir are seeds of one method: drawn "
+        "Runs whose config.yaml differs only in seed, output_dir, checkpoint_every, progress and the "
+        "gold reward are seeds of one method: drawn "
         "once, as the mean over seeds with a band (min-max for 2 seeds, mean +- std from 3).",
     )
     report.add_argument("run_dir", nargs="+", help="run directory (several with --compare)")

@@ -55,8 +55,18 @@ X_AXES = {
     "env_steps": ("environment steps", "policy and expert, the trainer's env_steps count"),
     "step": ("training steps", "logged step"),  # only when the runs logged none of the above
 }
-# Config keys that differ between seeds of one method (and the resume flag of a resumed seed).
-SEED_KEYS = ("seed", "output_dir", "resume")
+# Config keys (dotted for nested ones) that do not change what a run trains: they may differ between
+# seeds of one method. The seed and where the run went, whether it resumed, how often it saved and
+# showed progress, and what its evaluations score on the side (the gold reward never trains).
+NOT_METHOD_KEYS = (
+    "seed",
+    "output_dir",
+    "resume",
+    "checkpoint_every",
+    "progress",
+    "eval.gold_reward",
+    "eval.divergence_margin",
+)
 # Student t quantile 0.975 for 1..30 degrees of freedom (two-sided 95% interval of a mean).
 T_975 = (
     12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
@@ -155,8 +165,8 @@ def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
 
 
 def _method_key(run: Path) -> tuple[str, Any]:
-    """(what seeds of one method share, the run's seed): the saved config without `SEED_KEYS`; a run
-    without a config.yaml is a method of its own."""
+    """(what seeds of one method share, the run's seed): the saved config without `NOT_METHOD_KEYS`;
+    a run without a config.yaml is a method of its own."""
     import yaml
 
     path = run / "config.yaml"
@@ -168,8 +178,18 @@ def _method_key(run: Path) -> tuple[str, Any]:
         raise ConfigError(f"{str(path)!r} is not valid YAML ({err})") from None
     if not isinstance(config, dict):
         return f"run {run.resolve()}", None
-    shared = {k: v for k, v in config.items() if k not in SEED_KEYS}
-    return json.dumps(shared, sort_keys=True, default=str), config.get("seed")
+    return json.dumps(_without(config, NOT_METHOD_KEYS), sort_keys=True, default=str), config.get("seed")
+
+
+def _without(config: dict, dotted_keys: tuple[str, ...]) -> dict:
+    """A copy of a nested config without the given (dotted) keys."""
+    kept = {}
+    for key, value in config.items():
+        if key in dotted_keys:
+            continue
+        inner = tuple(k.removeprefix(key + ".") for k in dotted_keys if k.startswith(key + "."))
+        kept[key] = _without(value, inner) if inner and isinstance(value, dict) else value
+    return kept
 
 
 def _trim_label(prefix: str) -> str:
@@ -267,7 +287,7 @@ def compare_runs(
     """One PNG comparing methods by held-out `metric` (before, every `eval_every` steps, after), and
     its numbers in ``<png stem>.json`` beside it.
 
-    Runs whose config.yaml is the same but for `SEED_KEYS` are seeds of one method, drawn once: the
+    Runs whose config.yaml is the same but for `NOT_METHOD_KEYS` are seeds of one method, drawn once: the
     mean over seeds with a band (min-max for two seeds, mean +- std from three), labelled by
     `method_labels` or `labels` (one per method, in the order their first run is given) and n. Seeds
     must be evaluated at the same steps. Panels, one per x axis some run logged (`X_AXES`): training

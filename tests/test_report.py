@@ -320,6 +320,30 @@ def test_compare_two_seeds_draw_min_max_and_one_run_draws_alone(tmp_path, monkey
     assert texts == ["a (n=2, band min-max)", "lonely_s9 (n=1)"]
 
 
+def test_compare_seeds_may_differ_in_bookkeeping_and_gold_reward_not_in_training(tmp_path):
+    base = "trainer: diffusion_nft\ntrain:\n  lr: 0.1\neval:\n  prompts: 8\n"
+    runs = [
+        seed_run(tmp_path / "nft_s0", 0, {0: 0.1, 4: 0.2}, config=base + "checkpoint_every: 30\n"),
+        seed_run(
+            tmp_path / "nft_s1",
+            1,
+            {0: 0.1, 4: 0.4},
+            config=base.replace("prompts: 8", "prompts: 8\n  gold_reward: {name: shapes_strict}")
+            + "checkpoint_every: 20\nprogress: true\n",
+        ),
+        seed_run(tmp_path / "nft_lr_s0", 0, {0: 0.1, 4: 0.3}, config=base.replace("lr: 0.1", "lr: 0.2")),
+        seed_run(
+            tmp_path / "nft_evalsize_s0",
+            0,
+            {0: 0.1, 4: 0.3},
+            config=base.replace("prompts: 8", "prompts: 16"),
+        ),
+    ]
+    compare.compare_runs(runs, "heldout_alignment", tmp_path / "c.png")
+    methods = json.loads((tmp_path / "c.json").read_text())["methods"]
+    assert [(m["label"], m["n"]) for m in methods] == [("nft", 2), ("nft_lr_s0", 1), ("nft_evalsize_s0", 1)]
+
+
 def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
     runs = [
         seed_run(tmp_path / "m_s0", 0, {0: 0.1, 2: 0.2, 4: 0.3}),
