@@ -204,6 +204,7 @@ def explore_precision(
         if isinstance(m, nn.Linear | nn.Conv2d) and m.weight.is_floating_point()
     ]
     originals: dict[int, tuple[nn.Parameter, Tensor]] = {}
+    quantised: set[int] = set()
     swapped_forwards: list[nn.Linear] = []
     hooks = []
     emulated_fp8 = 0
@@ -211,22 +212,30 @@ def explore_precision(
         with torch.no_grad():
             for name, layer in layers:
                 weight = layer.weight
-                if id(weight) not in originals:  # a weight tied between layers is quantised once
+                if id(weight) not in originals:
                     originals[id(weight)] = (weight, weight.data)
+                # a forward set on the instance belongs to someone else (e.g. accelerate hooks): keep it
+                if (
+                    precision == "fp8"
+                    and isinstance(layer, nn.Linear)
+                    and "forward" not in vars(layer)
+                    and _fp8_kernel_ok(weight)
+                ):  # the FP8 matmul reads its own codes: no fake-quantised copy of the weight is made
+                    try:
+                        layer.forward = _fp8_linear_forward(layer, originals[id(weight)][1])
+                    except ValueError as err:
+                        raise ValueError(f"{name}.weight: {err}") from err
+                    swapped_forwards.append(layer)
+                    continue
+                if id(weight) not in quantised:  # a weight tied between layers is quantised once
+                    quantised.add(id(weight))
                     try:
                         weight.data = quantize(weight.data.flatten(1)).view_as(weight.data)
                     except ValueError as err:
                         raise ValueError(f"{name}.weight: {err}") from err
+                emulated_fp8 += precision == "fp8"
                 if isinstance(layer, nn.Conv2d):
-                    emulated_fp8 += precision == "fp8"
                     continue
-                if precision == "fp8":
-                    # a forward set on the instance belongs to someone else (e.g. accelerate hooks): keep it
-                    if "forward" not in vars(layer) and _fp8_kernel_ok(weight):
-                        layer.forward = _fp8_linear_forward(layer, originals[id(weight)][1])
-                        swapped_forwards.append(layer)
-                        continue
-                    emulated_fp8 += 1
                 if quantize_activations:
                     hooks.append(
                         layer.register_forward_pre_hook(lambda _module, args: (quantize(args[0]), *args[1:]))
@@ -245,6 +254,18 @@ def explore_precision(
             del layer.forward
         for weight, original in originals.values():
             weight.data = original
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Floating-point tensors and parameters created inside are `dtype` (a full-size model built in
+    bfloat16 takes half the memory of float32); the previous default comes back on exit."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def autocast_context(precision: str, device: torch.device | str) -> AbstractContextManager:

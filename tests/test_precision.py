@@ -300,12 +300,16 @@ def test_fp8_kernel_forward_matches_w8a8_emulation(monkeypatch):
     """torch._scaled_mm also runs on CPU, so the GPU code path can be checked here by pretending."""
     monkeypatch.setattr(precision, "_fp8_kernel_ok", lambda weight: True)
     model = tiny_mlp()
-    before = snapshot(model)
+    before, before_ptr = snapshot(model), model[0].weight.data_ptr()
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "emulated" warning when kernels are used
         with explore_precision(model, "fp8"):
             assert "forward" in vars(model[0])
+            # the kernel reads FP8 codes of its own: the weight itself is left as it was, not copied
+            assert model[0].weight.data_ptr() == before_ptr and torch.equal(
+                model[0].weight, before["0.weight"]
+            )
             out = model(x)
     hidden = F.relu(F.linear(fp8_fake_quantize(x), fp8_fake_quantize(before["0.weight"]), before["0.bias"]))
     expected = F.linear(fp8_fake_quantize(hidden), fp8_fake_quantize(before["2.weight"]), before["2.bias"])
