@@ -40,6 +40,7 @@ from transformers import (
 from diffusion_rl.models import build_clip_tokenizer, build_t5_tokenizer
 from diffusion_rl.shapes import vocabulary
 from mmrl.config import ConfigError
+from mmrl.precision import default_dtype
 from mmrl.registry import REPLICAS
 
 _VAE_16CH = {  # SD3.5 and FLUX.1 share the 16-channel, 8x-downsampling VAE layout
@@ -347,28 +348,38 @@ def build_full(name: str) -> dict[str, torch.nn.Module]:
     return {part: module for part, module in built.components.items() if isinstance(module, torch.nn.Module)}
 
 
-def save_replica(name: str, directory: str | Path, seed: int = 0, full: bool = False) -> Path:
-    """Write the tiny replica of `name` with save_pretrained: a diffusers pipeline directory for the
+def save_replica(
+    name: str,
+    directory: str | Path,
+    seed: int = 0,
+    full: bool = False,
+    weights: bool | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Write the replica of `name` with save_pretrained: a diffusers pipeline directory for the
     text-to-image models (FlowPipeline.from_pretrained reads it as it reads the real one), a CLIPModel
     with its tokenizer and image processor for PickScore (the `pickscore` reward's model_path).
 
-    `full`: the full-size model's files without weights (configs, tokenizers, scheduler): enough for
-    `mmrl train RECIPE --dry-run` to plan the real model; loading it for training fails for want of
-    weights."""
+    `full`: the real model's sizes. `weights` (default: only for the tiny replica) writes random
+    weights, built on `device`, in bfloat16 at full size (on a GPU, for `mmrl bench gpu`). Without
+    them the files are the configs, tokenizers and scheduler: enough for `mmrl train RECIPE --dry-run`
+    to plan the real model; loading it for training fails for want of weights."""
     directory = Path(directory)
+    weights = not full if weights is None else weights
     torch.manual_seed(seed)
-    with torch.device("meta" if full else "cpu"):
+    dtype = torch.bfloat16 if full and weights else torch.float32
+    with torch.device(device if weights else "meta"), default_dtype(dtype):
         built = build(name, tiny=not full)
     if name == "pickscore":
         model, tokenizer, processor = built
-        if full:
-            model.config.save_pretrained(directory)
-        else:
+        if weights:
             model.save_pretrained(directory)
+        else:
+            model.config.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
         processor.save_pretrained(directory)
         return directory
-    if not full:
+    if weights:
         built.save_pretrained(directory, safe_serialization=True)
         return directory
     built.save_config(directory)  # model_index.json
@@ -383,18 +394,24 @@ def save_replica(name: str, directory: str | Path, seed: int = 0, full: bool = F
 
 
 @REPLICAS.register("sd35m")
-def sd35m(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
+def sd35m(
+    directory: str | Path, seed: int = 0, full: bool = False, weights: bool | None = None, device: str = "cpu"
+) -> Path:
     """Stable Diffusion 3.5 Medium: StableDiffusion3Pipeline, MMDiT-X transformer, CLIP-L, CLIP-G, T5."""
-    return save_replica("sd35m", directory, seed, full)
+    return save_replica("sd35m", directory, seed, full, weights, device)
 
 
 @REPLICAS.register("flux_dev")
-def flux_dev(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
+def flux_dev(
+    directory: str | Path, seed: int = 0, full: bool = False, weights: bool | None = None, device: str = "cpu"
+) -> Path:
     """FLUX.1-dev: FluxPipeline, guidance-distilled transformer, CLIP-L and T5."""
-    return save_replica("flux_dev", directory, seed, full)
+    return save_replica("flux_dev", directory, seed, full, weights, device)
 
 
 @REPLICAS.register("pickscore")
-def pickscore(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
+def pickscore(
+    directory: str | Path, seed: int = 0, full: bool = False, weights: bool | None = None, device: str = "cpu"
+) -> Path:
     """PickScore v1: a CLIP ViT-H/14 model with its tokenizer and image processor."""
-    return save_replica("pickscore", directory, seed, full)
+    return save_replica("pickscore", directory, seed, full, weights, device)

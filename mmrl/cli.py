@@ -44,6 +44,7 @@ BUILTIN_MODULES = (
     "mmrl.precision",
     "mmrl.bench_core",
     "mmrl.bench_all",
+    "mmrl.bench_gpu",
 )
 
 
@@ -209,9 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
         "classes and layout, loaded by the code that loads its real weights, with every size scaled "
         "down so that its recipes run on a CPU. Options: output_dir (default runs/replicas/NAME), seed, "
         "full=true (the full-size model's configs, tokenizers and scheduler without weights: what "
-        "`mmrl train RECIPE --dry-run` needs to plan the real model).",
+        "`mmrl train RECIPE --dry-run` needs to plan the real model), weights=true with full=true "
+        "(random full-size weights in bfloat16, built on device=cuda in seconds: what `mmrl bench gpu` "
+        "trains and times).",
         ("name", "replica name, e.g. sd35m"),
-        "key=value options: output_dir=DIR, seed=N, full=true",
+        "key=value options: output_dir=DIR, seed=N, full=true, weights=true, device=cuda",
     )
 
     report = sub.add_parser(
@@ -360,22 +363,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_replica(args: argparse.Namespace) -> int:
     save = REPLICAS.get(args.name)
     options = apply_overrides({}, list(args.overrides))
-    unknown = sorted(set(options) - {"output_dir", "seed", "full"})
+    unknown = sorted(set(options) - {"output_dir", "seed", "full", "weights", "device"})
     if unknown:
         raise ConfigError(
-            f"mmrl replica: unknown option {unknown[0]!r}: the options are output_dir, seed and full"
+            f"mmrl replica: unknown option {unknown[0]!r}: the options are output_dir, seed, full, weights "
+            "and device"
         )
     seed, full = options.get("seed", 0), options.get("full", False)
+    weights, device = options.get("weights", not full), str(options.get("device", "cpu"))
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ConfigError(f"mmrl replica: seed = {seed!r} must be an integer")
-    if not isinstance(full, bool):
-        raise ConfigError(f"mmrl replica: full = {full!r} must be true or false")
+    for key, value in (("full", full), ("weights", weights)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"mmrl replica: {key} = {value!r} must be true or false")
     output_dir = Path(str(options.get("output_dir", f"runs/replicas/{args.name}")))
     if output_dir.exists() and any(output_dir.iterdir()):
         raise ConfigError(
             f"mmrl replica: output_dir {str(output_dir)!r} is not empty: give another output_dir="
         )
-    print(save(output_dir, seed=seed, full=full))
+    print(save(output_dir, seed=seed, full=full, weights=weights, device=device))
     return 0
 
 

@@ -18,8 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+)
 
+from mmrl.precision import default_dtype
 from mmrl.registry import REPLICAS
 from vlm_rl.data import DataConfig, task_vocabulary
 from vlm_rl.models import QwenVLAdapter, build_chat_tokenizer
@@ -91,13 +97,29 @@ def build_full() -> Qwen2_5_VLForConditionalGeneration:
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
 
 
+def full_size_tokenizer(words: list[str], max_length: int) -> PreTrainedTokenizerFast:
+    """The replica's word-level tokenizer padded with unused words up to the published vocabulary
+    (151936), so that a full-size model's embedding and output layer cost what the real one's do and
+    every id it samples decodes."""
+    short = len(build_chat_tokenizer(words, max_length))
+    missing = FULL["text"]["vocab_size"] - short
+    fillers = [f"unused{i}" for i in range((missing + 1) // 2)]  # each word is a token bare and spaced
+    return build_chat_tokenizer([*words, *fillers], max_length)
+
+
 @REPLICAS.register("qwen25vl_3b")
-def qwen25vl_3b(directory: str | Path, seed: int = 0, full: bool = False) -> Path:
+def qwen25vl_3b(
+    directory: str | Path, seed: int = 0, full: bool = False, weights: bool | None = None, device: str = "cpu"
+) -> Path:
     """Qwen2.5-VL-3B-Instruct: Qwen2_5_VLForConditionalGeneration with its window-attention vision tower.
-    `full`: the full-size config with the replica's tokenizer and image processor, no weights."""
+    `full`: the published sizes, with the replica's tokenizer (`full_size_tokenizer`) and image
+    processor. `weights` (default: only for the tiny replica) writes random weights, built on `device`,
+    in bfloat16 at full size (on a GPU, for `mmrl bench gpu`); without them only the config is written."""
     directory = Path(directory)
+    weights = not full if weights is None else weights
     text, vision = configs(tiny=not full)
-    tokenizer = build_chat_tokenizer(task_vocabulary(DataConfig()), TINY["text"]["max_position_embeddings"])
+    words, max_length = task_vocabulary(DataConfig()), TINY["text"]["max_position_embeddings"]
+    tokenizer = full_size_tokenizer(words, max_length) if full else build_chat_tokenizer(words, max_length)
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=56 * 56,
         max_pixels=112 * 112,
@@ -105,13 +127,13 @@ def qwen25vl_3b(directory: str | Path, seed: int = 0, full: bool = False) -> Pat
         merge_size=vision["spatial_merge_size"],
         temporal_patch_size=vision["temporal_patch_size"],
     )
-    if full:
-        with torch.device("meta"):
-            model = build_full()
-        model.config.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-        image_processor.save_pretrained(directory)
+    dtype = torch.bfloat16 if full and weights else torch.float32
+    with torch.device(device if weights else "meta"), default_dtype(dtype):
+        adapter = QwenVLAdapter.build(ARCHITECTURE, text, vision, tokenizer, image_processor, seed)
+    if weights:
+        adapter.save_pretrained(directory)
         return directory
-    adapter = QwenVLAdapter.build(ARCHITECTURE, text, vision, tokenizer, image_processor, seed)
-    adapter.save_pretrained(directory)
+    adapter.model.config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    image_processor.save_pretrained(directory)
     return directory
