@@ -140,19 +140,19 @@ def ratio_rows(bench: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Rows may hold tuples, devices, numpy scalars: keep numbers and strings, stringify the rest."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if hasattr(value, "item"):
         try:
-            return _jsonable(value.item())
+            return jsonable(value.item())
         except (TypeError, ValueError):
             pass
     return str(value)
@@ -251,6 +251,6 @@ def bench_all(
         "benches": report,
     }
     path.parent.mkdir(parents=True, exist_ok=True)  # checked before the benches ran, made only now
-    path.write_text(json.dumps(_jsonable(document), indent=1))
+    path.write_text(json.dumps(jsonable(document), indent=1))
     print(f"wrote {path}")
     return table

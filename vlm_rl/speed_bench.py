@@ -53,7 +53,7 @@ PARTIAL_WARMUP = 2  # untimed steps
 PARTIAL_DETAIL = 0.2  # share of held-out questions that need a zoom
 
 
-def _tokens_per_second(
+def tokens_per_second(
     adapter: VLMAdapter,
     questions: list,
     cfg: ToolRolloutConfig,
@@ -174,18 +174,28 @@ def bench_vlm(
     questions = [data[i] for i in range(rollouts)]
     cfg = ToolRolloutConfig(max_new_tokens=48)
     torch.manual_seed(0)
-    _tokens_per_second(adapter, questions[:4], cfg, batched=True)  # warm-up
+    tokens_per_second(adapter, questions[:4], cfg, batched=True)  # warm-up
     rows, conversations = [], []
     for label, batched in (("per-sample generate loop", False), ("batched multi-turn engine", True)):
-        rate, tokens, trajectories = _tokens_per_second(adapter, questions, cfg, batched)
+        rate, tokens, trajectories = tokens_per_second(adapter, questions, cfg, batched)
         tool = sum(t.used_tool for t in trajectories) / len(trajectories)
         rows.append({"variant": label, "tokens_per_second": rate, "tokens": tokens, "tool_ratio": tool})
         conversations.append([t.sequence.token_ids for t in trajectories])
     ratio = rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
     rows[1] |= {"ratio": ratio, "target": TARGET, "target_op": ">="}
-    vllm_note = (
-        _vllm_row(adapter, path, questions, cfg, rows) if vllm else "vLLM backend: not timed (vllm=false)"
+    timed = (
+        vllm_row(adapter, path, questions, cfg, rows[1]["tokens_per_second"])
+        if vllm
+        else "vLLM backend: not timed (vllm=false)"
     )
+    if isinstance(timed, dict):
+        rows.append(timed)
+        vllm_note = (
+            f"vLLM / batched transformers: {timed['ratio_to_batched']:.2f}x (vLLM samples its own tokens "
+            "from the same keys: the conversations differ, the rate is per generated token)"
+        )
+    else:
+        vllm_note = timed
     print(f"model: {name}; {rollouts} rollouts, up to {cfg.max_turns} turns of {cfg.max_new_tokens} tokens")
     print(f"{'variant':<28}{'tokens':>8}{'tokens/s':>11}{'tool use':>10}")
     for row in rows:
@@ -205,35 +215,31 @@ def bench_vlm(
     return rows
 
 
-def _vllm_row(
+def vllm_row(
     adapter: VLMAdapter,
     path: Path,
     questions: list,
     cfg: ToolRolloutConfig,
-    rows: list[dict[str, Any]],
-) -> str:
-    """Time the vLLM backend on the same questions (appending its row) or say why it was not timed."""
+    batched_rate: float,
+    kv_cache_gib: float = 0.5,
+) -> dict[str, Any] | str:
+    """The vLLM backend timed on the same questions, as a row with its rate's ratio to `batched_rate`
+    (the batched transformers engine's), or why it was not timed."""
     if not vllm_available():
         return f"vLLM backend: not timed ({INSTALL_HINT})"
     from vlm_rl.vllm_engine import VLLMTurnGenerator
 
     try:
-        engine = VLLMTurnGenerator(path, adapter, cfg.max_tokens, cfg.max_images, kv_cache_gib=0.5)
+        engine = VLLMTurnGenerator(path, adapter, cfg.max_tokens, cfg.max_images, kv_cache_gib=kv_cache_gib)
     except ValueError as err:
         return f"vLLM backend: not timed ({err})"
-    _tokens_per_second(adapter, questions[:4], cfg, batched=True, engine=engine)  # warm-up
-    rate, tokens, trajectories = _tokens_per_second(adapter, questions, cfg, batched=True, engine=engine)
+    tokens_per_second(adapter, questions[:4], cfg, batched=True, engine=engine)  # warm-up
+    rate, tokens, trajectories = tokens_per_second(adapter, questions, cfg, batched=True, engine=engine)
     tool = sum(t.used_tool for t in trajectories) / len(trajectories)
-    rows.append(
-        {
-            "variant": "vLLM multi-turn engine",
-            "tokens_per_second": rate,
-            "tokens": tokens,
-            "tool_ratio": tool,
-            "ratio_to_batched": rate / rows[1]["tokens_per_second"],
-        }
-    )
-    return (
-        f"vLLM / batched transformers: {rate / rows[1]['tokens_per_second']:.2f}x (vLLM samples its own "
-        "tokens from the same keys: the conversations differ, the rate is per generated token)"
-    )
+    return {
+        "variant": "vLLM multi-turn engine",
+        "tokens_per_second": rate,
+        "tokens": tokens,
+        "tool_ratio": tool,
+        "ratio_to_batched": rate / batched_rate,
+    }

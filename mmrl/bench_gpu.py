@@ -1,0 +1,141 @@
+"""`mmrl bench gpu`: the real architectures at full size with random weights, on one GPU.
+
+Nothing is downloaded: every model is built from its published config (`mmrl replica`), with random
+weights, which is all that speed and memory depend on. Sections, side by side in one run:
+
+- ``denoiser``: an SD3.5-Medium and a FLUX.1-dev denoising step, bfloat16 against FP8 exploration
+  (target: FP8 at least 1.5x faster) (`diffusion_rl.gpu_bench`);
+- ``ranking``: the FP8 pool's reward ranking against bfloat16 on the same seeds (Kendall tau);
+- ``tree``: flat GRPO against BranchGRPO on SD3.5-Medium (seconds per iteration, peak memory), and
+  the `--dry-run` memory plan against the measured peak (target: within 20%);
+- ``vlm``: Qwen2.5-VL-3B rollout tokens per second, batched transformers against vLLM (target: vLLM at
+  least 3x) (`vlm_rl.gpu_bench`).
+
+Without CUDA it says so in one line and returns; ``device=cpu scale=tiny`` runs the same code on the
+tiny replicas. Random-weight checkpoints the sections train or serve from are written once to
+`workdir` and reused. The rows go to `output` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrl.bench_all import check_counts, jsonable, print_table, ratio_rows
+from mmrl.config import ConfigError, check_device, check_output_dir
+from mmrl.registry import BENCHES
+
+SECTIONS = ("denoiser", "ranking", "tree", "vlm")
+SCALES = ("full", "tiny")
+DEFAULT_OUTPUT = "runs/bench/gpu.json"
+NEEDS_CUDA = (
+    "mmrl bench gpu: needs CUDA, and torch.cuda.is_available() is False here; run it on a GPU machine "
+    "(`mmrl bench gpu device=cpu scale=tiny` runs its code on the tiny replicas)"
+)
+
+
+@BENCHES.register("gpu")
+def bench_gpu(
+    device: str = "cuda",
+    scale: str = "full",
+    sections: list[str] | None = None,
+    iterations: int = 3,
+    batch: int = 2,
+    pool: int = 32,
+    pool_prompts: int = 16,
+    rollouts: int = 64,
+    vllm: bool = True,
+    workdir: str = "runs/bench/gpu_models",
+    output: str = DEFAULT_OUTPUT,
+) -> list[dict[str, Any]]:
+    """`sections` picks among denoiser, ranking, tree and vlm (default: all); `iterations` timed calls
+    or training steps after a warm-up; `batch` latents per denoising step; `pool` seeds per prompt on
+    `pool_prompts` prompts for the ranking; `rollouts` conversations for the VLM rate."""
+    chosen = list(SECTIONS) if sections is None else sections
+    for name in chosen:
+        if name not in SECTIONS:
+            raise ConfigError(
+                f"config error: sections: unknown section {name!r}; choose from {', '.join(SECTIONS)}"
+            )
+    if scale not in SCALES:
+        raise ConfigError(
+            f"config error: scale = {scale!r}: use full (the real sizes) or tiny (the replicas)"
+        )
+    check_counts(iterations=iterations, batch=batch, pool=pool, pool_prompts=pool_prompts, rollouts=rollouts)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(NEEDS_CUDA)
+        return [{"section": "gpu", "skipped": NEEDS_CUDA}]
+    where = torch.device(check_device(device))
+    check_output_dir(Path(output).parent, "output (its folder)")
+    models = Path(workdir)
+    models.mkdir(parents=True, exist_ok=True)
+
+    rows: list[dict[str, Any]] = []
+    seconds: dict[str, float] = {}
+    for name in chosen:
+        start = time.perf_counter()
+        print(f"--- {name} ---", flush=True)
+        new = _section(name, scale, where, iterations, batch, pool, pool_prompts, rollouts, vllm, models)
+        seconds[name] = time.perf_counter() - start
+        for row in new:
+            print("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items() if k != "section"), flush=True)
+        rows += new
+    table = ratio_rows("gpu", rows)
+    print_table(
+        f"mmrl bench gpu ({_device_name(where)}, {scale} size)",
+        ["row", "ratio", "target", "verdict"],
+        [[r["row"], f"{r['ratio']:.3f}x", r["target"] or "-", r["verdict"]] for r in table],
+    )
+    document = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": _device_name(where),
+        "torch": torch.__version__,
+        "options": {"scale": scale, "iterations": iterations, "batch": batch, "pool": pool},
+        "section_seconds": seconds,
+        "ratios": table,
+        "rows": rows,
+    }
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(document), indent=1))
+    print(f"wrote {path}")
+    return rows
+
+
+def _section(
+    name: str,
+    scale: str,
+    device: torch.device,
+    iterations: int,
+    batch: int,
+    pool: int,
+    pool_prompts: int,
+    rollouts: int,
+    vllm: bool,
+    workdir: Path,
+) -> list[dict[str, Any]]:
+    if name == "vlm":
+        from vlm_rl.gpu_bench import rollout_rows
+
+        return rollout_rows(scale, device, workdir, rollouts, vllm)
+    from diffusion_rl import gpu_bench
+
+    if name == "denoiser":
+        return gpu_bench.denoiser_step_rows(scale, device, iterations, batch)
+    if name == "ranking":
+        return gpu_bench.fp8_ranking_rows(device, pool_prompts, pool, gpu_bench.POOL_STEPS)
+    return gpu_bench.tree_rows(scale, device, iterations, workdir)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
