@@ -109,10 +109,10 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
             pipe.decode(torch.empty(eval_rows, *pipe.latent_shape(), device="meta"))
 
     phases = {
-        f"update ({t.micro_batch} rows)": measure_phase(update, denoiser, optimizer),
-        f"rollout step ({call_rows} rows)": measure_phase(rollout, denoiser, optimizer),
-        f"decode ({call_rows} images)": measure_phase(decode, denoiser, optimizer),
-        f"evaluation ({eval_rows} prompts)": measure_phase(evaluate, denoiser, optimizer),
+        f"update ({t.micro_batch} rows)": measure_phase(update, denoiser, optimizer, config.optimizer),
+        f"rollout step ({call_rows} rows)": measure_phase(rollout, denoiser, optimizer, config.optimizer),
+        f"decode ({call_rows} images)": measure_phase(decode, denoiser, optimizer, config.optimizer),
+        f"evaluation ({eval_rows} prompts)": measure_phase(evaluate, denoiser, optimizer, config.optimizer),
     }
     frozen = pipe.frozen_modules()
     text_encoders = [module for module in frozen if module is not pipe.vae]

@@ -61,6 +61,20 @@ def pack(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at {path!r}")
 
 
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with every one that shares memory with an earlier one copied, as safetensors needs
+    (e.g. AdamW8bit's code books, one tensor in the state of every parameter)."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and pointer in seen:
+            tensor = tensor.clone()
+        seen.add(pointer)
+        out[key] = tensor
+    return out
+
+
 def unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of `pack`."""
     if isinstance(obj, dict):
@@ -161,7 +175,7 @@ def save_checkpoint(
         tensors: dict[str, torch.Tensor] = {}
         json_state[group] = pack(value, tensors)
         if tensors:
-            save_file(tensors, tmp / f"{group}.safetensors")
+            save_file(_unshared(tensors), tmp / f"{group}.safetensors")
             files.append(f"{group}.safetensors")
     (tmp / "state.json").write_text(json.dumps(json_state))
     files.append("state.json")

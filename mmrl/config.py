@@ -27,6 +27,7 @@ C = TypeVar("C", bound="BaseConfig")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_ROOT = REPO_ROOT / "configs"
 SHIPPING_PACKAGES = frozenset({"diffusion_rl", "vlm_rl", "vla_rl"})  # those with assets/ base models
+OPTIMIZERS = ("adamw", "adamw_8bit")
 
 
 class ConfigError(ValueError):
@@ -75,6 +76,12 @@ class BaseConfig:
         "another number warns at start, and `mmrl train RECIPE --dry-run --processes N` gives the sizes "
         "that keep the effective batch",
         min=1,
+    )
+    optimizer: str = option(
+        "adamw",
+        "adamw (moments in the parameters' dtype) or adamw_8bit (bitsandbytes' AdamW8bit: moments "
+        "quantised blockwise to 8 bits, a quarter of the memory; `pip install mmrl[adam8bit]`)",
+        choices=OPTIMIZERS,
     )
     tensorboard: bool = option(False, "also write TensorBoard event files")
     progress: bool = option(True, "show progress bars")

@@ -18,6 +18,7 @@ ids). The estimate is checked against allocations measured on a CPU run (tests/t
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -88,7 +89,24 @@ class PhasePeak:
         return self.weights + self.optimizer + self.transient
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+EIGHT_BIT_MIN_SIZE = 4096  # AdamW8bit keeps float32 moments for tensors with fewer elements
+EIGHT_BIT_BLOCK = 256  # elements per float32 scale of an 8-bit moment
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, name: str = "adamw") -> int:
+    """Bytes of the states `optimizer` holds after a step; for `adamw_8bit` (an AdamW on the meta
+    device stands in for it) what bitsandbytes' AdamW8bit holds for the same parameters: per moment,
+    a byte per element and a float32 scale per block, and two 256-entry float32 code books that every
+    parameter shares."""
+    if name == "adamw_8bit":
+        sizes = [p.numel() for group in optimizer.param_groups for p in group["params"]]
+        quantised = [n for n in sizes if n >= EIGHT_BIT_MIN_SIZE]
+        moments = sum(2 * (n + math.ceil(n / EIGHT_BIT_BLOCK) * 4) for n in quantised)
+        return (
+            moments
+            + (2 * 256 * 4 if quantised else 0)
+            + sum(2 * n * 4 for n in sizes if n < EIGHT_BIT_MIN_SIZE)
+        )
     return sum(
         value.numel() * value.element_size()
         for state in optimizer.state.values()
@@ -120,14 +138,17 @@ def fused_attention_on_meta() -> Iterator[None]:
 
 
 def measure_phase(
-    run: Callable[[], object], module: torch.nn.Module, optimizer: torch.optim.Optimizer
+    run: Callable[[], object],
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    optimizer_name: str = "adamw",
 ) -> PhasePeak:
-    """Peak memory of `run()` beside `module`'s weights and `optimizer`'s existing states. On meta
-    tensors nothing is allocated."""
+    """Peak memory of `run()` beside `module`'s weights and the existing states of `optimizer` (as
+    the config's `optimizer_name` holds them). On meta tensors nothing is allocated."""
     tracker = LiveTensorBytes()
     with fused_attention_on_meta(), tracker:
         run()
-    return PhasePeak(weight_bytes([module]), optimizer_state_bytes(optimizer), tracker.peak)
+    return PhasePeak(weight_bytes([module]), optimizer_state_bytes(optimizer, optimizer_name), tracker.peak)
 
 
 def weight_bytes(modules: Iterable[torch.nn.Module]) -> int:

@@ -9,6 +9,7 @@ at any point and resumed ends with the same parameters as one that never stopped
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -56,6 +57,18 @@ class StepSkipped(Exception):
         self.metrics = metrics
 
 
+def build_optimizer(
+    name: str, params: Iterable[Any], lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """`adamw`: torch's AdamW. `adamw_8bit`: bitsandbytes' AdamW8bit, whose two moments are stored in 8
+    bits with a float32 scale per block of 256 (tensors under 4096 elements keep float32 moments)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    import bitsandbytes  # Trainer checks that it is installed before anything is written
+
+    return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+
+
 class Trainer:
     config_class: ClassVar[type[BaseConfig]] = BaseConfig
 
@@ -65,6 +78,11 @@ class Trainer:
 
     def __init__(self, config: BaseConfig, accelerator: Accelerator | None = None) -> None:
         self.config = config
+        if config.optimizer == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                "config error: optimizer = 'adamw_8bit' needs bitsandbytes, which is not installed: "
+                "`pip install 'mmrl[adam8bit]'` (or bitsandbytes), or set optimizer=adamw"
+            )
         # without CUDA, processes started by `accelerate launch --multi_gpu` / torchrun join over gloo
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.run_dir = Path(config.output_dir)
@@ -125,11 +143,12 @@ class Trainer:
         weight_decay: float = 0.01,
         lr_factor: Callable[[int], float] | None = None,
     ) -> None:
-        """AdamW over `params` (default: the model's; parameter groups allowed), prepared with the
-        model by Accelerate into `self.model` / `self.optimizer`, and a LambdaLR schedule from
-        `lr_factor` in `self.scheduler` (none without it). weight_decay defaults to AdamW's own."""
-        optimizer = torch.optim.AdamW(
-            model.parameters() if params is None else params, lr=lr, weight_decay=weight_decay
+        """AdamW (the config's `optimizer`: `build_optimizer`) over `params` (default: the model's;
+        parameter groups allowed), prepared with the model by Accelerate into `self.model` /
+        `self.optimizer`, and a LambdaLR schedule from `lr_factor` in `self.scheduler` (none without
+        it). weight_decay defaults to AdamW's own."""
+        optimizer = build_optimizer(
+            self.config.optimizer, model.parameters() if params is None else params, lr, weight_decay
         )
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if lr_factor is not None:
