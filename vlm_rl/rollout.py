@@ -30,7 +30,7 @@ from typing import Literal, Protocol, get_args
 import torch
 from PIL import Image
 
-from mmrl.config import option
+from mmrl.config import ConfigError, option
 from mmrl.noise import NoiseKey
 from mmrl.rewards import extract_answer
 from vlm_rl.data import Question, question_text
@@ -99,11 +99,34 @@ class ToolRolloutConfig:
     backend: Literal["transformers", "vllm"] = option(
         "transformers", "what generates the turns: the policy's transformers model, or vLLM (optional)"
     )
-    vllm_kv_cache_gib: float = option(
-        2.0, "memory vLLM keeps for its key/value cache, GiB (backend vllm; on GPU and on CPU)", min=0.01
+    vllm_kv_cache_gib: float | None = option(
+        2.0,
+        "memory vLLM keeps for its key/value cache, GiB (backend vllm; on GPU and on CPU); null with "
+        "vllm_gpu_memory_fraction",
+        min=0.01,
+    )
+    vllm_gpu_memory_fraction: float | None = option(
+        None,
+        "share of the GPU's memory vLLM may take for its weights and key/value cache (its "
+        "gpu_memory_utilization), the rest left to training; replaces vllm_kv_cache_gib (set that to null)",
+        min=0.01,
+        max=1.0,
+    )
+    vllm_sleep: bool = option(
+        False,
+        "free vLLM's GPU memory (weights and key/value cache) while the policy updates, and wake it with "
+        "the new weights before the next rollouts (vLLM's sleep mode; a CUDA GPU only)",
     )
     tree: TreeRolloutConfig = field(default_factory=TreeRolloutConfig)
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+
+    def __post_init__(self) -> None:
+        if (self.vllm_kv_cache_gib is None) == (self.vllm_gpu_memory_fraction is None):
+            raise ConfigError(
+                f"config error: rollout.vllm_kv_cache_gib = {self.vllm_kv_cache_gib} and "
+                f"rollout.vllm_gpu_memory_fraction = {self.vllm_gpu_memory_fraction}: give exactly one "
+                "(the key/value cache in GiB, or vLLM's share of the GPU) and set the other to null"
+            )
 
 
 class TurnGenerator(Protocol):

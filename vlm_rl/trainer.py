@@ -103,6 +103,8 @@ class ToolGRPOTrainer(Trainer):
                     max_model_len=cfg.rollout.max_tokens,
                     max_images=cfg.rollout.max_images,
                     kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+                    gpu_memory_fraction=cfg.rollout.vllm_gpu_memory_fraction,
+                    sleep=cfg.rollout.vllm_sleep,
                 )
             except ValueError as err:  # a model this vLLM build cannot run
                 raise ConfigError(f"config error: rollout.backend = 'vllm': {err}") from None
@@ -153,12 +155,19 @@ class ToolGRPOTrainer(Trainer):
         if self.engine is not None:
             self.engine.load_weights(self.adapter.model)
 
+    def release_engine(self) -> None:
+        """The rollouts are done: vLLM gives its GPU memory to the update (`rollout.vllm_sleep`)."""
+        if self.engine is not None:
+            self.engine.sleep()
+
     def evaluate(self) -> dict[str, float]:
         self.adapter.model.eval()
         self.sync_engine()
-        return evaluate_questions(
+        results = evaluate_questions(
             self.adapter, self.heldout, self.config.rollout, self.config.eval_modes, engine=self.engine
         )
+        self.release_engine()
+        return results
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
@@ -193,6 +202,7 @@ class ToolGRPOTrainer(Trainer):
                     engine=self.engine,
                 )
 
+        self.release_engine()
         answers = [q.answer for q in questions for _ in range(g)]
         correct = [t.answer == a for t, a in zip(trajectories, answers, strict=True)]
         group_ids = [s for s in slots for _ in range(g)]

