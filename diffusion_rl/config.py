@@ -35,6 +35,11 @@ class ModelConfig:
     gradient_checkpointing: bool = option(
         False, "recompute the denoiser's blocks in the backward pass instead of keeping their activations"
     )
+    cache_prompt_embeddings: bool = option(
+        False,
+        "encode the training and held-out prompts once at the start, keep their embeddings in CPU memory "
+        "and move the text encoders off the GPU (`--dry-run` prints the cache's size)",
+    )
 
 
 @dataclass

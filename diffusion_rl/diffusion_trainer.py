@@ -30,7 +30,7 @@ import torch
 from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError
-from diffusion_rl.sampling import evaluate_alignment
+from diffusion_rl.sampling import evaluate_alignment, evaluation_prompts
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import ConfigError, shipped_path
 from mmrl.memory_plan import MemoryPlan
@@ -265,6 +265,10 @@ class DiffusionTrainer(Trainer):
                     f"config error: rollout.image_size = {cfg.rollout.image_size}: {err}"
                 ) from None
         self.check_size()
+        if cfg.model.cache_prompt_embeddings:
+            self.pipe.cache_prompts(
+                [*self.prompts, *evaluation_prompts(cfg.eval.prompts, self.heldout_prompts), ""]
+            )
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)

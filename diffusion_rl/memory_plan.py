@@ -17,11 +17,18 @@ from typing import Any
 import torch
 
 from diffusion_rl.branch_rollout import plan_for
-from diffusion_rl.diffusion_trainer import resolve_model_path, trainable_denoiser
+from diffusion_rl.diffusion_trainer import load_prompts, resolve_model_path, trainable_denoiser
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.quantized_exploration import exploration_plan
 from mmrl.config import ConfigError
-from mmrl.memory_plan import MemoryPlan, measure_phase, parameter_count, per_process_sizes, weight_bytes
+from mmrl.memory_plan import (
+    MemoryPlan,
+    human_bytes,
+    measure_phase,
+    parameter_count,
+    per_process_sizes,
+    weight_bytes,
+)
 
 EVAL_BATCH = 64  # sample_ode's prompts per chunk
 PROMPT = "a photo of a red square"  # any prompt: the conditioning's shape does not depend on it
@@ -44,6 +51,18 @@ def reward_model_bytes(names_and_options: list[tuple[str, dict[str, Any]]]) -> i
             raise ConfigError(f"config error: reward {name!r}: model_path = {path!r}: {err}") from None
         total += weight_bytes([model])
     return total
+
+
+def prompt_cache_size(pipe: FlowPipeline, config: Any) -> str:
+    """What `model.cache_prompt_embeddings` keeps in CPU memory (the text encoders leave the GPU): the
+    embeddings of every training and held-out prompt, or per prompt where the prompt file is not there."""
+    per_prompt = pipe._encode_prompts([PROMPT]).nbytes
+    each = f"{per_prompt / 1024:,.1f} KiB"
+    try:
+        prompts = len(load_prompts(config.prompt_file)) + config.eval.prompts + 1
+    except ConfigError:
+        return f"{each} per prompt (prompt_file = {config.prompt_file!r} is not there to count)"
+    return f"{human_bytes(prompts * per_prompt).strip()} ({prompts:,d} prompts of {each})"
 
 
 def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPlan:
@@ -116,7 +135,9 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     }
     frozen = pipe.frozen_modules()
     text_encoders = [module for module in frozen if module is not pipe.vae]
-    other = {"text encoders": weight_bytes(text_encoders)}
+    other = {}
+    if not config.model.cache_prompt_embeddings:
+        other["text encoders"] = weight_bytes(text_encoders)
     if pipe.vae is not None:
         other["vae"] = weight_bytes([pipe.vae])
     if reference is not None:
@@ -149,6 +170,8 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         work["denoiser evaluations in rollouts"] += (
             f", plus {prompts * pool:,d} in the {config.explore.precision} pool"
         )
+    if config.model.cache_prompt_embeddings:
+        work["prompt embeddings cached in CPU memory"] = prompt_cache_size(pipe, config)
     batch, warnings = per_process_sizes("rollout.prompts_per_step", prompts, config.processes, processes)
     batch.append(f"{leaves} samples per prompt; updates of train.micro_batch = {t.micro_batch} rows")
     return MemoryPlan(

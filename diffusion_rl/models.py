@@ -195,8 +195,13 @@ class Conditioning:
         pooled = None if parts[0].pooled is None else torch.cat([p.pooled for p in parts])
         return Conditioning(torch.cat([p.embeds for p in parts]), pooled)
 
-    def to(self, dtype: torch.dtype) -> Conditioning:
-        return Conditioning(self.embeds.to(dtype), None if self.pooled is None else self.pooled.to(dtype))
+    def to(self, target: torch.dtype | torch.device) -> Conditioning:
+        """The conditioning in another dtype or on another device."""
+        return Conditioning(self.embeds.to(target), None if self.pooled is None else self.pooled.to(target))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.embeds, self.pooled) if t is not None)
 
 
 class FlowPipeline:
@@ -230,6 +235,7 @@ class FlowPipeline:
         self.scheduler = scheduler
         self.diffusers_pipeline = diffusers_pipeline
         self.source: Path | None = None  # the directory `from_pretrained` read, which a LoRA result names
+        self.prompt_cache: dict[str, Conditioning] | None = None  # `cache_prompts`
         for frozen in (text_encoder, vae):
             if frozen is not None:
                 frozen.requires_grad_(False)
@@ -683,7 +689,32 @@ class FlowPipeline:
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
         dtype = next(self.denoiser.parameters()).dtype
-        return self._encode_prompts(prompts).to(dtype)
+        if self.prompt_cache is None:
+            return self._encode_prompts(prompts).to(dtype)
+        missing = [p for p in prompts if p not in self.prompt_cache]
+        if missing:
+            raise ValueError(
+                f"prompt {missing[0]!r} was not among the cached prompts (`cache_prompts`): the text "
+                "encoders are offloaded, so every prompt must be cached before training starts"
+            )
+        return Conditioning.cat([self.prompt_cache[p] for p in prompts]).to(self.device).to(dtype)
+
+    @torch.no_grad()
+    def cache_prompts(self, prompts: Sequence[str], batch_size: int = 64) -> int:
+        """Encode `prompts` once (in batches on the pipeline's device) and keep their embeddings in CPU
+        memory, from which `encode_prompts` reads them from then on; the text encoders move to the CPU,
+        so the device holds the denoiser and the VAE only. Returns the cache's bytes."""
+        unique = list(dict.fromkeys(prompts))
+        cache = {}
+        for start in range(0, len(unique), batch_size):
+            chunk = unique[start : start + batch_size]
+            cond = self._encode_prompts(chunk).to(torch.device("cpu"))
+            cache |= {prompt: cond[i : i + 1] for i, prompt in enumerate(chunk)}  # together, the chunk
+        for module in self.frozen_modules():
+            if module is not self.vae:
+                module.to("cpu")
+        self.prompt_cache = cache
+        return sum(c.nbytes for c in cache.values())
 
     def _encode_prompts(self, prompts: Sequence[str]) -> Conditioning:
         if self.diffusers_pipeline is not None:

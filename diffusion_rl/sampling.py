@@ -46,6 +46,12 @@ def sample_ode(
     return torch.cat(images)
 
 
+def evaluation_prompts(num_prompts: int, prompts: Sequence[str] | None = None) -> list[str]:
+    """The prompts `evaluate_alignment` samples: the first `num_prompts` of `prompts`, or of the shapes
+    world's held-out prompts (`heldout_subset`)."""
+    return heldout_subset(num_prompts) if prompts is None else list(prompts)[:num_prompts]
+
+
 def heldout_subset(num_prompts: int, seed: int = 0) -> list[str]:
     """A fixed, shuffled subset of the held-out prompts (the same for every run with this seed)."""
     prompts = heldout_prompts()
@@ -82,7 +88,7 @@ def evaluate_alignment(
     first `num_prompts` of these instead (a user's held-out prompts: only `rewards` score them)."""
     from diffusion_rl.alignment import load_scorer
 
-    chosen = heldout_subset(num_prompts) if prompts is None else list(prompts)[:num_prompts]
+    chosen = evaluation_prompts(num_prompts, prompts)
     images = sample_ode(pipe, chosen, steps, guidance_scale, seed)
     if grid_path is not None:
         save_grid(images[:32], grid_path)

@@ -28,6 +28,7 @@ CI_PROVIDES = {  # words of a skip reason -> what installs the missing piece
     "gymnasium[mujoco]": "install the dev extra: `pip install -e '.[dev]'`",
     "the fetch extra": "install the dev extra (it has gymnasium-robotics): `pip install -e '.[dev]'`",
     "vla_fetch_reach needs an optional extra": "install the dev extra (it has gymnasium-robotics)",
+    "the adam8bit extra": "install the dev extra (it has bitsandbytes): `pip install -e '.[dev]'`",
 }
 HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
 NO_ROBOT = "the robot extra (mujoco, gymnasium) is not installed"

@@ -9,7 +9,7 @@ import torch
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.models import FlowPipeline, TinyFlowSpec
 from diffusion_rl.nft_trainer import DiffusionNFTTrainer, old_policy_decay
-from diffusion_rl.shapes import vocabulary
+from diffusion_rl.shapes import train_prompts, vocabulary
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, load_config
 from mmrl.trainer import TrainingStopped
@@ -304,3 +304,37 @@ def test_sol_rl_keeps_the_best_and_the_worst_of_the_pool(model_dir, tmp_path, mo
 def test_sol_rl_bad_input_is_one_clear_error(model_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         sol_rl(model_dir, tmp_path, *overrides)
+
+
+def test_cached_prompt_embeddings_train_alike_and_the_encoders_stay_idle(model_dir, tmp_path, monkeypatch):
+    plain = trainer_for(model_dir, tmp_path / "plain")
+    cached = trainer_for(model_dir, tmp_path / "cached", "model.cache_prompt_embeddings=true")
+    prompts = [*cached.prompts[:3], ""]
+    direct, from_cache = plain.pipe.encode_prompts(prompts), cached.pipe.encode_prompts(prompts)
+    assert torch.allclose(direct.embeds, from_cache.embeds, atol=1e-6)
+    assert torch.allclose(direct.pooled, from_cache.pooled, atol=1e-6)
+    assert set(cached.pipe.prompt_cache) >= {*cached.prompts, ""}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a text encoder ran after its prompts were cached")
+
+    monkeypatch.setattr(cached.pipe.text_encoder, "forward", refuse)
+    a, b = plain.train_step(0), cached.train_step(0)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    with pytest.raises(ValueError, match="'a purple hexagon' was not among the cached prompts"):
+        cached.pipe.encode_prompts(["a purple hexagon"])
+
+
+def test_the_plan_moves_the_text_encoders_to_the_prompt_cache(model_dir, tmp_path):
+    def plan(*overrides):
+        config = load_config(
+            "diffusion/nft",
+            [f"model.path={model_dir}", f"output_dir={tmp_path}", "eval.prompts=4", *overrides],
+        )
+        return DiffusionNFTTrainer.memory_plan(config, "diffusion/nft", 1)
+
+    plain, cached = plan(), plan("model.cache_prompt_embeddings=true")
+    assert plain.other_weights["text encoders"] > 0 and "text encoders" not in cached.other_weights
+    assert cached.peak_bytes == plain.peak_bytes - plain.other_weights["text encoders"]
+    prompts = len(train_prompts()) + 4 + 1  # training, held-out and the empty prompt
+    assert f"({prompts:,d} prompts of " in cached.work["prompt embeddings cached in CPU memory"]
