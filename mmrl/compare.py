@@ -4,6 +4,7 @@ plotted numbers with each method's final mean and 95% interval in a JSON file be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mmrl.config import ConfigError, check_output_dir  # noqa: E402
+from mmrl.config import ConfigError, check_output_dir, load_config, to_dict  # noqa: E402
 from mmrl.report import metric_number  # noqa: E402
 from mmrl.runlog import METRICS_FILE, read_metrics  # noqa: E402
 
@@ -165,8 +166,9 @@ def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
 
 
 def _method_key(run: Path) -> tuple[str, Any]:
-    """(what seeds of one method share, the run's seed): the saved config without `NOT_METHOD_KEYS`;
-    a run without a config.yaml is a method of its own."""
+    """(what seeds of one method share, the run's seed): the saved config, with the defaults of keys
+    added since the run was made (their defaults keep what runs did before them) and without
+    `NOT_METHOD_KEYS`; a run without a config.yaml is a method of its own."""
     import yaml
 
     path = run / "config.yaml"
@@ -178,6 +180,8 @@ def _method_key(run: Path) -> tuple[str, Any]:
         raise ConfigError(f"{str(path)!r} is not valid YAML ({err})") from None
     if not isinstance(config, dict):
         return f"run {run.resolve()}", None
+    with contextlib.suppress(ConfigError):  # one this version no longer reads: compared as written
+        config = to_dict(load_config(str(path)))
     return json.dumps(_without(config, NOT_METHOD_KEYS), sort_keys=True, default=str), config.get("seed")
 
 

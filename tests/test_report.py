@@ -323,13 +323,14 @@ def test_compare_two_seeds_draw_min_max_and_one_run_draws_alone(tmp_path, monkey
 def test_compare_seeds_may_differ_in_bookkeeping_and_gold_reward_not_in_training(tmp_path):
     base = "trainer: diffusion_nft\ntrain:\n  lr: 0.1\neval:\n  prompts: 8\n"
     runs = [
+        # written before model.frozen_dtype existed: its default is what the run did
         seed_run(tmp_path / "nft_s0", 0, {0: 0.1, 4: 0.2}, config=base + "checkpoint_every: 30\n"),
         seed_run(
             tmp_path / "nft_s1",
             1,
             {0: 0.1, 4: 0.4},
             config=base.replace("prompts: 8", "prompts: 8\n  gold_reward: {name: shapes_strict}")
-            + "checkpoint_every: 20\nprogress: true\n",
+            + "checkpoint_every: 20\nprogress: true\nmodel:\n  frozen_dtype: float32\n",
         ),
         seed_run(tmp_path / "nft_lr_s0", 0, {0: 0.1, 4: 0.3}, config=base.replace("lr: 0.1", "lr: 0.2")),
         seed_run(
@@ -342,6 +343,12 @@ def test_compare_seeds_may_differ_in_bookkeeping_and_gold_reward_not_in_training
     compare.compare_runs(runs, "heldout_alignment", tmp_path / "c.png")
     methods = json.loads((tmp_path / "c.json").read_text())["methods"]
     assert [(m["label"], m["n"]) for m in methods] == [("nft", 2), ("nft_lr_s0", 1), ("nft_evalsize_s0", 1)]
+    another_dtype = seed_run(
+        tmp_path / "nft_bf16_s0", 0, {0: 0.1, 4: 0.3}, config=base + "model:\n  frozen_dtype: bfloat16\n"
+    )
+    compare.compare_runs([*runs[:2], another_dtype], "heldout_alignment", tmp_path / "d.png")
+    methods = json.loads((tmp_path / "d.json").read_text())["methods"]
+    assert [m["n"] for m in methods] == [2, 1]  # a key set to something other than its default
 
 
 def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
