@@ -42,6 +42,17 @@ class ModelConfig:
     )
 
 
+def call_rows_option() -> Any:
+    """`rollout.call_rows` of both diffusion trainers (`FlowPipeline._in_fixed_rows`)."""
+    return option(
+        None,
+        "run every denoiser call on exactly this many rows (the last call filled up): a sample then "
+        "comes out bit for bit the same in any batch, e.g. a Sol-RL replay equals a fresh sample of its "
+        "seed (null: calls take the rows a step has)",
+        min=1,
+    )
+
+
 @dataclass
 class RolloutConfig:
     prompts_per_step: int = option(4, "prompts per step on each process", min=1)
@@ -54,6 +65,7 @@ class RolloutConfig:
         why="models draw up to 2048 px",
     )
     guidance_scale: float = option(3.0, "classifier-free guidance scale (1: none)", min=1.0)
+    call_rows: int | None = call_rows_option()
     sde: Literal["flow_grpo", "dance_grpo", "ddim"] = option("flow_grpo", "SDE form of the stochastic steps")
     noise_level: float = option(0.7, "Flow-GRPO a / DanceGRPO eta / DDIM eta", min=0.0)
     split_steps: list[int] = option([0, 3, 6, 9], "steps where every node branches (flat GRPO: [0])", min=0)

@@ -265,6 +265,7 @@ class DiffusionTrainer(Trainer):
                     f"config error: rollout.image_size = {cfg.rollout.image_size}: {err}"
                 ) from None
         self.check_size()
+        self.pipe.call_rows = cfg.rollout.call_rows
         if cfg.model.cache_prompt_embeddings:
             self.pipe.cache_prompts(
                 [*self.prompts, *evaluation_prompts(cfg.eval.prompts, self.heldout_prompts), ""]

@@ -236,6 +236,7 @@ class FlowPipeline:
         self.diffusers_pipeline = diffusers_pipeline
         self.source: Path | None = None  # the directory `from_pretrained` read, which a LoRA result names
         self.prompt_cache: dict[str, Conditioning] | None = None  # `cache_prompts`
+        self.call_rows: int | None = None  # `_in_fixed_rows`
         for frozen in (text_encoder, vae):
             if frozen is not None:
                 frozen.requires_grad_(False)
@@ -773,14 +774,40 @@ class FlowPipeline:
         classifier-free guidance against `uncond`, as FluxPipeline(true_cfg_scale=g, negative_prompt="")."""
         model = denoiser or self.denoiser
         if self.guidance_embedded:
-            return self._velocity(model, x, sigma, cond, guidance_scale)
+            return self._in_fixed_rows(model, x, sigma, cond, guidance_scale)
         if guidance_scale == 1.0:
-            return self._velocity(model, x, sigma, cond)
+            return self._in_fixed_rows(model, x, sigma, cond)
         if uncond is None:
             raise ValueError("guidance_scale != 1 needs the unconditional embedding (uncond)")
         both = Conditioning.cat([uncond, cond])
-        v_uncond, v_cond = self._velocity(model, torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
+        v_uncond, v_cond = self._in_fixed_rows(
+            model, torch.cat([x, x]), torch.cat([sigma, sigma]), both
+        ).chunk(2)
         return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def _in_fixed_rows(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        guidance: float | None = None,
+    ) -> torch.Tensor:
+        """`_velocity`, with `call_rows` set in calls of exactly that many rows (the last filled with
+        copies of its final row): a matmul rounds a row the same way wherever it sits among a fixed
+        number of rows, so a sample's result no longer depends on the batch it was drawn in."""
+        rows = self.call_rows
+        if rows is None:
+            return self._velocity(model, x, sigma, cond, guidance)
+        count = x.shape[0]
+        fill = [count - 1] * (-count % rows)
+        x, sigma = torch.cat([x, x[fill]]), torch.cat([sigma, sigma[fill]])
+        cond = Conditioning.cat([cond, cond[fill]])
+        parts = [
+            self._velocity(model, x[i : i + rows], sigma[i : i + rows], cond[i : i + rows], guidance)
+            for i in range(0, len(x), rows)
+        ]
+        return torch.cat(parts)[:count]
 
     def _velocity(
         self,

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
+from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig, call_rows_option
 from diffusion_rl.diffusion_trainer import check_prompt_count
 from diffusion_rl.models import FlowPipeline
 from mmrl.advantages import check_group_size
@@ -46,6 +46,7 @@ class NFTRolloutConfig:
     guidance_scale: float = option(
         1.0, "classifier-free guidance while sampling (1: none; the update never uses guidance)", min=1.0
     )
+    call_rows: int | None = call_rows_option()
 
 
 @dataclass

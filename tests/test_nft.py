@@ -230,14 +230,15 @@ def sol_rl(model_dir, run_dir, *overrides):
     )
 
 
-def test_sol_rl_replays_the_kept_seeds_exactly_in_full_precision(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("call_rows", [None, 4])
+def test_sol_rl_replays_the_kept_seeds_exactly_in_full_precision(model_dir, tmp_path, monkeypatch, call_rows):
     """The pool runs 2 low-precision steps on 8 candidates per prompt; the replay regenerates the kept
-    4 with 4 full-precision steps, each the fresh full-precision sample of its seed alone, and far from
-    its pool sample."""
+    4 with 4 full-precision steps, each the fresh full-precision sample of its seed alone (bit for bit
+    with rollout.call_rows), and far from its pool sample."""
     from diffusion_rl import nft_trainer as module
     from diffusion_rl.branch_rollout import ancestors
 
-    trainer = sol_rl(model_dir, tmp_path)
+    trainer = sol_rl(model_dir, tmp_path, f"rollout.call_rows={'null' if call_rows is None else call_rows}")
     calls = []
 
     def spy(*args, **kwargs):
@@ -258,9 +259,12 @@ def test_sol_rl_replays_the_kept_seeds_exactly_in_full_precision(model_dir, tmp_
         _, fresh, _ = rollout_trees(
             pipe, cond[1:], uncond[1:], slots[1:], plan, sampling, seed, step, [ancestors(plan, [key])]
         )
-    # the same keyed noise and weights; the denoiser's matmuls round differently for another batch size
-    # (measured up to about 1e-5 on CPU), so this is float32 rounding rather than bit for bit
-    torch.testing.assert_close(fresh[0], replay_latents[4 + 2], rtol=0, atol=1e-5)
+    if call_rows is None:
+        # the same keyed noise and weights; the denoiser's matmuls round differently for another batch
+        # size (measured up to about 1e-5 on CPU), so this is float32 rounding rather than bit for bit
+        torch.testing.assert_close(fresh[0], replay_latents[4 + 2], rtol=0, atol=1e-5)
+    else:  # calls of 4 rows: the seed alone (filled up to 4) and among the 8 replayed rows agree exactly
+        assert torch.equal(fresh[0], replay_latents[4 + 2])
     pool_trees, pool_latents, _ = pool
     pool_index = [pool_trees[1].nodes[n].state["key"] for n in pool_trees[1].leaves()].index(key)
     assert (pool_latents[8 + pool_index] - replay_latents[4 + 2]).abs().max() > 1e-3
