@@ -71,6 +71,7 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     with torch.device("meta"):
         pipe = FlowPipeline.from_configs(resolve_model_path(config.model.path))
         pipe.set_frozen_dtype(getattr(torch, config.model.frozen_dtype))
+        pipe.call_rows = r.call_rows  # a step's rows in calls of this many: the plan measures those calls
         if r.image_size is not None:
             try:
                 pipe.set_image_size(r.image_size)
