@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 GIB = 2**30
 
@@ -115,16 +115,44 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, name: str = "adamw")
     )
 
 
+class RealIndicesOnMeta(TorchDispatchMode):
+    """Run a model on the meta device with its integer inputs (token ids, masks, image grids) real on
+    the CPU: an integer tensor sent to the meta device stays on the CPU, and an op that mixes the two
+    gives meta tensors. Code that reads those values (`.item()`, `.tolist()`: a VLM's image token
+    counts, multimodal positions, variable-length attention) then runs as on a real device, while
+    everything a float passes through is meta and allocates nothing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and str(kwargs.get("device")) == "meta":
+            source = args[0]
+            if source.device.type == "cpu" and not source.is_floating_point():
+                return source.clone()
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "meta" for t in tensors) and any(t.device.type == "cpu" for t in tensors):
+
+            def to_meta(value: object) -> object:
+                real = isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0
+                return value.to("meta") if real else value
+
+            args, kwargs = tree_map(to_meta, (args, kwargs))
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def fused_attention_on_meta() -> Iterator[None]:
     """`F.scaled_dot_product_attention` on meta tensors as a fused kernel: the meta device would
     otherwise take the math path, which holds every attention matrix, where CPUs and GPUs run fused
-    kernels that keep only the output and its log-sum-exp (flash attention)."""
+    kernels that keep only the output and its log-sum-exp (flash attention). Grouped-query attention
+    repeats the key/value heads first, as the CPU kernel does."""
     plain = F.scaled_dot_product_attention
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):  # noqa: ANN001, ANN202
-        if query.device.type != "meta" or kw.get("enable_gqa"):
+        if query.device.type != "meta":
             return plain(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kw)
+        if kw.get("enable_gqa") and key.shape[-3] != query.shape[-3]:
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )

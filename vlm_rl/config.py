@@ -23,6 +23,9 @@ DEFAULT_MODEL = "vlm_rl/assets/tiny_vlm"  # shipped; `mmrl pretrain vlm` remakes
 @dataclass
 class PolicyConfig:
     path: str = option(DEFAULT_MODEL, "local VLM checkpoint (default: the shipped tiny base)")
+    gradient_checkpointing: bool = option(
+        False, "recompute the decoder layers in the backward pass instead of keeping their activations"
+    )
 
 
 @dataclass

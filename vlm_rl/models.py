@@ -41,6 +41,7 @@ from PIL import Image
 from safetensors import SafetensorError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoTokenizer,
     LogitsProcessor,
     LogitsProcessorList,
@@ -58,6 +59,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from mmrl.config import ConfigError, describe_saved_model, read_json_object
 from mmrl.noise import NoiseKey, keyed_rand_batch
+from mmrl.precision import default_dtype
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
@@ -341,6 +343,12 @@ def check_checkpoint(directory: Path) -> str:
     return model_type
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in the backward pass (while the model trains): the same
+    gradients, a layer's activations instead of all of them held at once."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class VLMAdapter(ABC):
     """A chat VLM with what multi-turn tool rollouts and their training need (see the module docstring).
 
@@ -386,11 +394,7 @@ class VLMAdapter(ABC):
                 local_files_only=True,
                 output_loading_info=True,
             )
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-            processor_template = directory / "chat_template.json"  # hub VLMs keep it beside the processor
-            if tokenizer.chat_template is None and processor_template.is_file():
-                tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
-            image_processor = family.image_processor_class.from_pretrained(directory, local_files_only=True)
+            tokenizer, image_processor = family.load_processors(directory)
         except LOAD_ERRORS as err:
             reason = " ".join(str(err).split())
             raise ConfigError(
@@ -403,6 +407,38 @@ class VLMAdapter(ABC):
                 f"(e.g. {missing[0]!r}), so they were saved from another model: {REMAKE}"
             )
         return family(model, tokenizer, image_processor)
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> VLMAdapter:
+        """A checkpoint's adapter with the model built from its config.json alone, in the dtype it was
+        saved in, with random weights in the current default device: under ``torch.device("meta")`` a
+        real model to plan (`mmrl train --dry-run`) without reading or allocating its weights."""
+        directory = Path(path)
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"{str(directory)!r} has no config.json")
+        model_type = read_json_object(directory / "config.json", REMAKE).get("model_type")
+        family = next((f for f in FAMILIES if model_type in f.model_classes), None)
+        if family is None:
+            known = sorted(name for f in FAMILIES for name in f.model_classes)
+            raise ConfigError(
+                f"{str(directory)!r}: model_type {model_type!r} is not one of {', '.join(known)}"
+            )
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        saved = config.dtype or torch.float32
+        dtype = getattr(torch, saved.removeprefix("torch.")) if isinstance(saved, str) else saved
+        with default_dtype(dtype):
+            model = family.model_classes[model_type](config)
+        return family(model, *family.load_processors(directory))
+
+    @classmethod
+    def load_processors(cls, directory: Path) -> tuple[PreTrainedTokenizerBase, Any]:
+        """The tokenizer (with the chat template hub VLMs keep beside the processor) and the image
+        processor of a checkpoint folder."""
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        processor_template = directory / "chat_template.json"
+        if tokenizer.chat_template is None and processor_template.is_file():
+            tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+        return tokenizer, cls.image_processor_class.from_pretrained(directory, local_files_only=True)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Config, safetensors weights, tokenizer files and preprocessor_config.json in one folder."""

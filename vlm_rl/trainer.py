@@ -37,6 +37,7 @@ import torch
 
 from mmrl.config import ConfigError, shipped_path
 from mmrl.losses import kl_to_reference
+from mmrl.memory_plan import MemoryPlan
 from mmrl.noise import NoiseKey
 from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, TRAINERS, UnknownNameError
 from mmrl.samplers import build_sampler, keep_groups
@@ -45,7 +46,7 @@ from mmrl.tree import RolloutTree, fused_node_advantages
 from vlm_rl.config import ToolGRPOConfig, check_rollout_size
 from vlm_rl.data import QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
-from vlm_rl.models import VLMAdapter
+from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
 from vlm_rl.partial_rollout import PartialRollouts, PartialStep
 from vlm_rl.rollout import (
     Trajectory,
@@ -135,8 +136,16 @@ class ToolGRPOTrainer(Trainer):
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.adapter.model).requires_grad_(False)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(self.adapter.model)
         self.prepare_model_and_optimizer(self.adapter.model, lr=cfg.train.lr, weight_decay=0.0)
         self.policy_loss = LOSSES.get(cfg.train.loss)
+
+    @classmethod
+    def memory_plan(cls, config: Any, recipe: str, processes: int) -> MemoryPlan:
+        from vlm_rl.memory_plan import tool_grpo_memory_plan
+
+        return tool_grpo_memory_plan(config, recipe, processes)
 
     def trainer_state(self) -> dict[str, Any]:
         state = {"sampler": self.sampler.state_dict()}
