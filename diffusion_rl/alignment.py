@@ -139,7 +139,8 @@ class AlignmentScorer(nn.Module):
         """Expected fraction of each prompt's checks that the image passes, in [0, 1]; shape [B].
 
         `unmentioned` adds one check: no object of a colour-shape pair the prompt does not name,
-        P(count == 0) multiplied over those pairs.
+        P(count == 0) multiplied over those pairs. Like every check it earns its share on its own: an
+        image with no object at all passes it (and fails the others).
         """
         if len(images) != len(specs):
             raise ValueError(f"{len(images)} images but {len(specs)} prompts")

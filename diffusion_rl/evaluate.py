@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from diffusion_rl.diffusion_trainer import load_prompts
+from diffusion_rl.config import REWARD_KEYS, check_options, check_reward_name, reward_mapping
+from diffusion_rl.diffusion_trainer import build_reward, load_prompts
 from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, train_prompts
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
-from mmrl.registry import EVALUATORS, REWARDS, UnknownNameError
+from mmrl.registry import EVALUATORS
 
 BETTER_BY = 0.01  # a prompt counts as better / worse when its mean reward moves by more than this
 BLANK_SIZE = 32  # side of the blank images each reward is tried on before sampling
@@ -49,7 +50,11 @@ class DiffusionEvalConfig:
     seed: int = option(0, "first noise seed; image s of prompt i uses seed + s", min=0)
     steps: int = option(20, "ODE sampling steps", min=1)
     guidance_scale: float = option(3.0, "classifier-free guidance", min=1.0)
-    rewards: list[str] = option(["geneval_mini"], "rewards to score every image with (see `mmrl list`)")
+    rewards: list = option(
+        ["geneval_mini"],
+        "rewards to score every image with (see `mmrl list`): names, or {name: ..., options: {...}} "
+        "for a reward built with options",
+    )
     grid_prompts: int = option(8, "prompts shown in grid.png (seed 0 of each)", min=0)
     output_dir: str = option("runs/eval/diffusion", "where eval_diffusion.json and grid.png go")
 
@@ -97,21 +102,26 @@ def check_models(models: list[str]) -> list[Path]:
     return paths
 
 
-def build_rewards(names: list[str], prompts: list[str]) -> dict[str, Any]:
-    """Each reward by name, tried on blank images of `prompts`: an unknown name or a prompt a reward
-    cannot score (outside geneval_mini's grammar, say) fails before any model is sampled."""
+def build_rewards(entries: list[Any], prompts: list[str]) -> dict[str, Any]:
+    """Each reward (a name, or a mapping with its options; labelled ``name`` or ``name(key=value)``),
+    tried on blank images of `prompts`: an unknown name, bad options or a prompt a reward cannot score
+    (outside geneval_mini's grammar, say) fails before any model is sampled."""
     blank = torch.full((len(prompts), 3, BLANK_SIZE, BLANK_SIZE), 0.5)
     reward_fns = {}
-    for name in names:
+    for i, entry in enumerate(entries):
+        key = f"rewards[{i}]"
+        entry = reward_mapping(
+            entry, key, REWARD_KEYS, "a reward name or {name: ..., options: ...}", "valid keys"
+        )
+        name = check_reward_name(entry.get("name"), f"{key}.name")
+        options = check_options(entry.get("options", {}), f"{key}.options")
+        label = name + (f"({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+        reward_fns[label] = build_reward(name, options, f"{key}.")
         try:
-            reward_fns[name] = REWARDS.get(name)()
-        except UnknownNameError as err:
-            raise ConfigError(f"config error: rewards: {err}") from None
-        try:
-            reward_fns[name](blank, prompts=prompts)
+            reward_fns[label](blank, prompts=prompts)
         except ValueError as err:
             raise ConfigError(
-                f"config error: reward {name!r} cannot score these prompts: {err}; choose prompts it "
+                f"config error: reward {label!r} cannot score these prompts: {err}; choose prompts it "
                 "understands or another reward"
             ) from None
     return reward_fns

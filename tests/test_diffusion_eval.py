@@ -52,14 +52,20 @@ def test_models_side_by_side_are_paired_and_written(two_models, tmp_path):
         num_prompts=5,
         seeds=2,
         steps=2,
-        rewards=["geneval_mini", "jpeg_compressibility"],
+        rewards=[
+            "geneval_mini",
+            "jpeg_compressibility",
+            {"name": "geneval_mini", "options": {"unmentioned": True}},
+        ],
         grid_prompts=3,
         output_dir=str(tmp_path / "out"),
     )
     results = evaluate_models(cfg)
     assert results["num_prompts"] == 5 and results["seeds"] == 2
     first, other, same = (results["models"][m] for m in cfg.models)
-    assert set(first) == {"geneval_mini", "jpeg_compressibility"} and "diff" not in first["geneval_mini"]
+    assert set(first) == {"geneval_mini", "jpeg_compressibility", "geneval_mini(unmentioned=True)"}
+    assert "diff" not in first["geneval_mini"]
+    assert first["geneval_mini(unmentioned=True)"]["mean"] != first["geneval_mini"]["mean"]
     for name in first:
         assert other[name]["diff"] == pytest.approx(other[name]["mean"] - first[name]["mean"], abs=1e-6)
         # the same weights draw the same images from the same noise: exactly no difference
@@ -87,6 +93,14 @@ def test_command_line_and_bad_input(two_models, tmp_path, capsys):
         (["models=[]"], "models is empty"),
         ([f"models=[{a},{a}]"], "twice"),
         ([f"models=[{a}]", "rewards=[geneval_mni]"], "did you mean 'geneval_mini'"),
+        (
+            [f"models=[{a}]", "rewards=[{name: geneval_mini, options: {unmentionned: true}}]"],
+            "rewards[0].options",
+        ),
+        (
+            [f"models=[{a}]", "rewards=[{name: geneval_mini, option: {}}]"],
+            "did you mean 'rewards[0].options'",
+        ),
         ([f"models=[{a}]", "prompts=/nonexistent.txt"], "does not exist"),
         (["models=[/nonexistent/model]"], "is not a directory"),
         ([f"models=[{a}]", "seeds=0"], "seeds"),
