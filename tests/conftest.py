@@ -12,8 +12,12 @@
 With the environment variable CI set (`.ci/run` sets it), a skip for something `.ci/run` installs fails
 instead: it means CI stopped exercising what the README claims, and a skip would hide that. Such skips
 are recognised by the words of their reason, so tests that skip for these causes use these words.
+
+The first import, `fixed_isa`, caps PyTorch, MKL and oneDNN at AVX2 kernels before anything loads
+torch, so that pinned runs compute the same bits on any x86 processor (see tests/fixed_isa.py).
 """
 
+import fixed_isa  # noqa: F401, I001  (first: it sets torch's kernel choice before torch loads)
 import functools
 import importlib.util
 import os

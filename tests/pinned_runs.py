@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fixed_isa  # noqa: I001  (before torch: the pinned kernels)
 import torch
 from safetensors.torch import load_file
 
@@ -175,6 +176,9 @@ def robot_loops(folder: Path) -> dict[str, Any]:
 def record(names: list[str]) -> None:
     import tempfile
 
+    problem = fixed_isa.fixed_isa_problem()
+    if problem:
+        sys.exit(f"not recording: {problem}")
     load_plugins()
     pinned = json.loads(PINNED.read_text()) if PINNED.is_file() else {}
     if not names or "robot_loops" in names:

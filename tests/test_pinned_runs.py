@@ -1,11 +1,13 @@
 """Every training recipe, and the robot episode loops, compute what tests/pinned/runs.json recorded:
 a short seeded run gives the same metrics, held-out numbers and final weights bit for bit (one thread,
-CPU). A refactor must leave these unchanged; a change of numbers that is meant re-records them
+CPU, the AVX2 kernels that tests/fixed_isa.py selects on any x86 processor). A refactor must leave
+these unchanged; a change of numbers that is meant re-records them
 (`python tests/pinned_runs.py --record NAME`) and says why in its commit."""
 
 import json
 
 import pytest
+from fixed_isa import fixed_isa_problem
 from pinned_runs import PINNED, RUNS, fingerprint, robot_loops
 from test_replicas import REAL_MODEL_RECIPES
 
@@ -30,6 +32,8 @@ def test_every_training_recipe_is_pinned():
     "recipe", [pytest.param(r, marks=pytest.mark.needs_robot) if r.startswith("vla/") else r for r in RUNS]
 )
 def test_recipe_computes_what_was_pinned(recipe, tmp_path):
+    problem = fixed_isa_problem()
+    assert problem is None, problem
     got = fingerprint(recipe, RUNS[recipe], tmp_path / "run")
     expected = EXPECTED[recipe]
     assert got["metrics"] == expected["metrics"]
@@ -39,4 +43,6 @@ def test_recipe_computes_what_was_pinned(recipe, tmp_path):
 
 @pytest.mark.needs_robot
 def test_robot_loops_compute_what_was_pinned(tmp_path):
+    problem = fixed_isa_problem()
+    assert problem is None, problem
     assert robot_loops(tmp_path) == EXPECTED["robot_loops"]
