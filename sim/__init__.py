@@ -5,7 +5,8 @@
 `sim.make` also builds the external tasks of `EXTERNAL_TASKS` by their gymnasium id (e.g.
 "FetchReach-v4" from gymnasium-robotics) with the same observations, info and options; code outside
 mmrl adds its own with `register_task(ExternalTask(...), expert=...)` (`mmrl --plugin MODULE` imports
-such a module before the config names the task).
+such a module before the config names the task). Meta-World's 50 tasks are `metaworld/<task>` (e.g.
+"metaworld/pick-place-v3"; `sim.metaworld`), registered the first time a task is named.
 Headless rendering defaults to EGL where libEGL is installed: set MUJOCO_GL before importing sim (or
 mujoco) to choose another.
 """
@@ -28,6 +29,8 @@ from sim.env import ArmEnv  # noqa: E402
 from sim.randomization import DomainRandomization  # noqa: E402
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv  # noqa: E402
 
+METAWORLD_PREFIX = "metaworld/"  # Meta-World's tasks by name, registered when first named (sim.metaworld)
+
 TASKS: dict[str, type[ArmEnv]] = {
     "mmrl/Reach-v0": ReachEnv,
     "mmrl/Push-v0": PushEnv,
@@ -49,13 +52,23 @@ def task_id(name: str) -> str:
     for full in TASKS:
         if name in (full, full.removeprefix("mmrl/"), full.removeprefix("mmrl/").removesuffix("-v0")):
             return full
+    if name.startswith(METAWORLD_PREFIX) and name not in EXTERNAL_TASKS:
+        from sim.metaworld import MetaWorldExpert, metaworld_task
+
+        try:
+            register_task(metaworld_task(name), expert=MetaWorldExpert)
+        except ImportError as err:
+            raise ValueError(str(err)) from None
     external = EXTERNAL_TASKS.get(name)
     if external is not None:
         problem = external.missing()
         if problem:
             raise ValueError(problem)
         return name
-    available = f"available: {', '.join(TASKS)}; external gymnasium tasks: {', '.join(EXTERNAL_TASKS)}."
+    available = (
+        f"available: {', '.join(TASKS)}; external gymnasium tasks: {', '.join(EXTERNAL_TASKS)}; "
+        f"Meta-World's as {METAWORLD_PREFIX}<task>, e.g. {METAWORLD_PREFIX}pick-place-v3."
+    )
     if name in gym.registry:
         raise ValueError(
             f"{name!r} is a gymnasium env, but mmrl has no adapter for it; {available} To add it, "

@@ -3,6 +3,8 @@
 - ``@pytest.mark.needs_robot``: skip without the robot extra (mujoco, gymnasium).
 - ``@pytest.mark.needs_rendering``: skip without MuJoCo's headless rendering (implies needs_robot).
 - ``@pytest.mark.needs_fetch``: skip without the fetch extra (gymnasium-robotics; implies needs_robot).
+- ``@pytest.mark.needs_metaworld``: skip without Meta-World (installed apart, see README; implies
+  needs_robot).
 - the ``rendering_error`` fixture: why MuJoCo cannot render here, or None, for a test that adapts
   instead of skipping.
 - A module in `ROBOT_MODULES` imports the robot stack at its top, so without the extra it is skipped
@@ -32,6 +34,7 @@ CI_PROVIDES = {  # words of a skip reason -> what installs the missing piece
     "gymnasium[mujoco]": "install the dev extra: `pip install -e '.[dev]'`",
     "the fetch extra": "install the dev extra (it has gymnasium-robotics): `pip install -e '.[dev]'`",
     "vla_fetch_reach needs an optional extra": "install the dev extra (it has gymnasium-robotics)",
+    "the metaworld package": "install it as .ci/run does: `pip install --no-deps metaworld==3.1.1`",
     "the adam8bit extra": "install the dev extra (it has bitsandbytes): `pip install -e '.[dev]'`",
 }
 HAS_ROBOT = all(importlib.util.find_spec(name) is not None for name in ("mujoco", "gymnasium"))
@@ -40,8 +43,11 @@ if HAS_ROBOT:
     import sim  # noqa: F401  (before a test module imports mujoco: sim selects the headless EGL backend)
 HAS_FETCH = HAS_ROBOT and importlib.util.find_spec("gymnasium_robotics") is not None
 NO_FETCH = "the fetch extra (gymnasium-robotics) is not installed"
+HAS_METAWORLD = HAS_ROBOT and importlib.util.find_spec("metaworld") is not None
+NO_METAWORLD = "the metaworld package is not installed (`pip install --no-deps metaworld==3.1.1 scipy`)"
 ROBOT_MODULES = frozenset(
     {
+        "test_metaworld.py",
         "test_plugins.py",
         "test_sim_adapters.py",
         "test_sim_envs.py",
@@ -76,6 +82,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"needs_robot: skipped when {NO_ROBOT}")
     config.addinivalue_line("markers", "needs_rendering: skipped without MuJoCo's headless rendering")
     config.addinivalue_line("markers", f"needs_fetch: skipped when {NO_FETCH}")
+    config.addinivalue_line("markers", f"needs_metaworld: skipped when {NO_METAWORLD}")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -85,6 +92,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(NO_ROBOT)
     if item.get_closest_marker("needs_fetch") and not HAS_FETCH:
         pytest.skip(NO_FETCH if HAS_ROBOT else NO_ROBOT)
+    if item.get_closest_marker("needs_metaworld") and not HAS_METAWORLD:
+        pytest.skip(NO_METAWORLD if HAS_ROBOT else NO_ROBOT)
 
 
 class _SkippedRobotModule(pytest.File):

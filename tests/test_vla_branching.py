@@ -404,6 +404,7 @@ def test_the_bench_row_compares_branched_groups_with_their_replay_from_reset(cap
     from vla_rl.bench import bench_vla
 
     options = {"num_envs": 2, "repeats": 1, "image_size": 32, "branch_group_size": 4, "branch_every": 1}
+    options["metaworld_task"] = ""  # no rows (e)
     rows = bench_vla(steps=12, branching=[2, 2], **options)
     row = rows[-1]
     # episodes of 3 chunks of 4 steps: the root's 2 children run one chunk each, then split into 2

@@ -213,7 +213,8 @@ def test_evaluate_policies_refuses_unknown_task_before_loading(policies, tmp_pat
 
 
 @pytest.mark.needs_rendering
-def test_bench_vla_tiny(capsys):
+def test_bench_vla_tiny(capsys, monkeypatch):
+    monkeypatch.setattr("sim.metaworld.installed", lambda: False)  # rows (e): tests/test_metaworld.py
     rows = bench_vla(steps=3, num_envs=2, repeats=1, image_size=SIZE)
     assert [row["section"] for row in rows] == ["(a)", "(a)", "(b)", "(c)", "(c)", "(d)"]
     branched, rows = rows[-1], rows[:-1]  # (d), env steps per trained decision: tests/test_vla_branching.py
@@ -239,7 +240,9 @@ def test_bench_vla_tiny(capsys):
     combined = ratio_rows("vla", rows)
     assert [r["verdict"] for r in combined] == [r["verdict"] for r in rows]
     assert combined[0]["target"] == ">= 0.5x"
-    assert "VLA env steps per second" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "VLA env steps per second" in printed
+    assert "(e) Meta-World rows skipped: Meta-World is not installed (pip install --no-deps" in printed
 
 
 def test_bench_vla_bad_options(tmp_path):

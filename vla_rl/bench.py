@@ -19,6 +19,9 @@ SyncVectorEnv):
   replaying its actions, running the policy on the rows that start a chunk (as a flat group samples
   them), so both sides end with the same trees; the replay is checked to end every leaf where the
   branched run did. The groups' episodes are cut at `steps` env steps.
+- (e) Meta-World (`metaworld_task`, when Meta-World is installed): the policy in the loop on that task
+  (rgb, N envs, a policy built for its proprioception and actions) against raw stepping of the same
+  task with rgb observations (target at least 0.5x, as (a)) and with state observations (no target).
 
 Repeats run the variants in turn and keep the median, so load from other processes hits all alike.
 Steps where a vector env auto-resets a finished episode are not counted as steps.
@@ -46,6 +49,7 @@ from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 POLICY_TARGET = 0.5  # policy-in-the-loop steps/s over raw stepping with the same observations, at least
 BATCHING_TARGET = 1.0  # N envs with batched act over one env, at least
 BRANCHING_TARGET = 1.0  # env steps per trained decision, branched over replayed from reset, at most
+METAWORLD_TASK = "metaworld/pick-place-v3"
 
 
 def _vector_runner(
@@ -53,17 +57,15 @@ def _vector_runner(
 ) -> tuple[Callable[[int], int], Callable[[], None]]:
     """A function running `n` lockstep steps of a SyncVectorEnv (random actions, or the policy's),
     returning the env steps taken, and a closer."""
+    import functools
+
     import gymnasium as gym
 
-    import sim  # noqa: F401  (registers the tasks with gymnasium)
+    import sim
 
-    envs = gym.make_vec(
-        task,
-        num_envs=num_envs,
-        vectorization_mode="sync",
-        obs_mode=obs_mode,
-        image_size=image_size,
-    )
+    make = functools.partial(sim.make, task, obs_mode=obs_mode, image_size=image_size)
+    envs = gym.vector.SyncVectorEnv([make] * num_envs)
+    action_shape = (num_envs, *envs.single_action_space.shape)
     rng = np.random.default_rng(0)
     obs, info = envs.reset(seed=0)
     state = {"obs": obs, "instructions": list(info["instruction"]), "resetting": np.zeros(num_envs, bool)}
@@ -74,7 +76,7 @@ def _vector_runner(
         taken = 0
         for _ in range(n):
             if policy is None:
-                actions = rng.uniform(-1, 1, (num_envs, 5)).astype(np.float32)
+                actions = rng.uniform(-1, 1, action_shape).astype(np.float32)
             else:
                 actions = policy.act(state["obs"], state["instructions"], deterministic=True)
             obs, _, terminated, truncated, info = envs.step(actions)
@@ -95,6 +97,7 @@ def _single_runner(
     import sim
 
     env = sim.make(task, obs_mode=obs_mode, image_size=image_size)
+    action_shape = env.action_space.shape
     rng = np.random.default_rng(0)
     obs, info = env.reset(seed=0)
     state = {"obs": obs, "instruction": info["instruction"], "seed": 0}
@@ -104,7 +107,7 @@ def _single_runner(
     def run(n: int) -> int:
         for _ in range(n):
             if policy is None:
-                action = rng.uniform(-1, 1, 5).astype(np.float32)
+                action = rng.uniform(-1, 1, action_shape).astype(np.float32)
             else:
                 action = policy.act(state["obs"], state["instruction"], deterministic=True)
             obs, _, terminated, truncated, info = env.step(action)
@@ -146,6 +149,37 @@ def _row(section: str, name: str, rate: float, baseline: str, base: float, targe
         "target_op": ">=",
         "verdict": verdict,
     }
+
+
+def _metaworld_rows(
+    task: str, num_envs: int, steps: int, repeats: int, size: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """Rows (e): an untrained policy shaped for the Meta-World task in the loop, against raw stepping."""
+    import sim
+
+    env = sim.make(task)
+    proprio_dim, action_dim = env.get_wrapper_attr("proprio_dim"), env.action_space.shape[0]
+    words = task_vocabulary([env.get_wrapper_attr("instruction")])
+    env.close()
+    config = VLAConfig(vocabulary=words, proprio_dim=proprio_dim, action_dim=action_dim, image_size=size)
+    policy = VLAPolicy(config).to(device).eval()
+    made = {
+        "raw": _vector_runner(task, num_envs, "state", size, None),
+        "rgb": _vector_runner(task, num_envs, "rgb", size, None),
+        "policy": _vector_runner(task, num_envs, "rgb", size, policy),
+    }
+    try:
+        rates = _median_rates({key: run for key, (run, _) in made.items()}, steps, repeats)
+    finally:
+        for _, close in made.values():
+            close()
+    name = f"{task}: policy in the loop, rgb {size}px, {num_envs} envs"
+    rgb = f"{task}: rgb {size}px obs, random actions"
+    raw = f"{task}: state obs, random actions"
+    return [
+        _row("(e)", name, rates["policy"], rgb, rates["rgb"], POLICY_TARGET),
+        _row("(e)", name, rates["policy"], raw, rates["raw"], None),
+    ]
 
 
 class ReplayChunks(Controller):
@@ -248,6 +282,7 @@ def bench_vla(
     branch_group_size: int = 8,
     branch_every: int = 5,
     branching: list[int] | None = None,
+    metaworld_task: str = METAWORLD_TASK,
 ) -> list[dict[str, Any]]:
     """Env steps per second: raw stepping, policy in the loop, rgb rendering, N envs vs one; and env
     steps and seconds per trained decision of snapshot-branched GRPO groups against replay from reset;
@@ -255,7 +290,8 @@ def bench_vla(
     variants take `steps` steps too; the groups' episodes at most `steps` steps); `model` a VLAPolicy
     directory, else an untrained policy of the default architecture (the speed does not depend on
     the weights), run on `device`. Row (d) runs `branch_groups` groups of `branch_group_size` leaves,
-    branching every `branch_every` chunks into `branching` children by depth (default [2, 2, 2])."""
+    branching every `branch_every` chunks into `branching` children by depth (default [2, 2, 2]). Rows
+    (e) step `metaworld_task` (empty: none; without Meta-World installed, one line says so)."""
     import sim
 
     check_counts(
@@ -274,6 +310,16 @@ def bench_vla(
         task = sim.task_id(task)
     except ValueError as err:
         raise ConfigError(f"config error: task = {task!r}: {err}") from None
+    from sim import metaworld
+
+    metaworld_skipped = None
+    if metaworld_task and not metaworld.installed():
+        metaworld_skipped = f"(e) Meta-World rows skipped: Meta-World is not installed ({metaworld.INSTALL})"
+    elif metaworld_task:
+        try:
+            metaworld_task = sim.task_id(metaworld_task)
+        except ValueError as err:
+            raise ConfigError(f"config error: metaworld_task = {metaworld_task!r}: {err}") from None
     torch.manual_seed(0)
     if model:
         if not Path(model).is_dir():
@@ -311,6 +357,9 @@ def bench_vla(
             close()
     plan = BranchPlan(branch_group_size, branch_every, tuple(branching))
     branched = _branching_row(policy, task, num_envs, steps, branch_groups, plan, repeats)
+    metaworld_rows = []
+    if metaworld_task and metaworld_skipped is None:
+        metaworld_rows = _metaworld_rows(metaworld_task, num_envs, steps, repeats, size, policy.device)
 
     n = num_envs
     raw = f"raw: state obs, random actions, {n} envs"
@@ -349,6 +398,7 @@ def bench_vla(
             rates["policy_one"],
             BATCHING_TARGET,
         ),
+        *metaworld_rows,
     ]
     where = f"{policy.device}, {torch.get_num_threads()} torch threads, median of {repeats} x {steps} steps"
     print(f"policy: {name}; task {task}; chunks of {policy.config.n_action_steps} actions per policy call")
@@ -368,6 +418,8 @@ def bench_vla(
             for row in rows
         ],
     )
+    if metaworld_skipped:
+        print(metaworld_skipped)
     print(
         f"(d): {branch_groups} GRPO groups of {plan.group_size} leaves, branched every {plan.every} chunks "
         f"into {list(plan.branching)} children by depth, episodes of at most {steps} steps, "

@@ -1,0 +1,133 @@
+"""Meta-World tasks through mmrl's sim API (`metaworld/<task>`): reset, step and success, the scripted
+policy as the supervisor's expert, and behaviour cloning and HABC end to end on pick-place-v3."""
+
+import json
+
+import numpy as np
+import pytest
+
+import sim
+from mmrl.config import ConfigError, load_config
+from sim.experts import expert_for
+from sim.metaworld import MAX_EPISODE_STEPS, instruction
+from vla_rl.bench import bench_vla
+from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
+from vla_rl.pretrain import VLABCTrainer
+from vla_rl.trainer import VLAHABCTrainer
+
+pytestmark = pytest.mark.needs_metaworld
+TASK = "metaworld/pick-place-v3"
+SIZE = 32
+TINY_MODEL = ["model.channels=[8,8]", "model.keypoints=8", "model.hidden=32", "model.horizon=4"]
+TINY_MODEL += ["model.n_action_steps=2"]
+
+
+def test_reset_step_and_success_through_our_api():
+    env = sim.make(TASK)
+    obs, info = env.reset(seed=0)
+    assert obs["state"].shape == (39,) and obs["state"].dtype == np.float32
+    assert env.observation_space.contains(obs)
+    assert info["instruction"] == "pick place" == instruction("pick-place-v3") and not info["is_success"]
+    assert env.get_wrapper_attr("proprio_dim") == 7 and env.get_wrapper_attr("robot_type") == "sawyer"
+    assert list(env.get_wrapper_attr("state_layout")) == ["hand", "goal", "objects"]
+    assert env.spec.max_episode_steps == MAX_EPISODE_STEPS
+    again, _ = env.reset(seed=0)
+    other, _ = env.reset(seed=1)
+    np.testing.assert_array_equal(again["state"], obs["state"])  # a seed is a scene
+    assert not np.array_equal(other["state"], obs["state"])  # another seed, another placement
+    _, reward, terminated, truncated, info = env.step(np.zeros(4, np.float32))
+    assert reward == 0.0 and not (terminated or truncated or info["is_success"])
+    env.close()
+
+
+@pytest.mark.needs_rendering
+def test_camera_frames_show_the_scene_upright():
+    env = sim.make(TASK, obs_mode="state+rgb", image_size=SIZE)
+    obs, _ = env.reset(seed=0)
+    image = obs["image"]
+    assert image.shape == (SIZE, SIZE, 3) and image.dtype == np.uint8 and env.observation_space.contains(obs)
+    # upright: the floor (bright, grey-white) fills the bottom rows, not the top ones
+    assert image[-4:].mean() > image[:4].mean() - 10 and image.std() > 10
+    env.close()
+
+
+def test_the_scripted_policy_solves_scenes_and_takes_over_from_a_stray_state():
+    env = sim.make(TASK)
+    expert = expert_for(TASK)
+    assert type(expert_for(env)) is type(expert)
+    rng = np.random.default_rng(0)
+    for seed in range(3):
+        env.reset(seed=seed)
+        for t in range(MAX_EPISODE_STEPS):
+            action = rng.uniform(-1, 1, 4) if seed == 1 and t < 15 else expert.act(env)  # seed 1 strays first
+            _, reward, terminated, truncated, info = env.step(action)
+            if terminated or truncated:
+                break
+        assert info["is_success"] and reward == 1.0 and terminated, (seed, t)
+    env.close()
+
+
+def test_a_name_meta_world_lacks_is_a_config_error_with_the_closest_one():
+    with pytest.raises(ConfigError, match=r"no task 'pick-plce-v3'.*Did you mean 'metaworld/pick-place-v3'"):
+        load_config("pretrain/vla", ["data.task=metaworld/pick-plce-v3"])
+
+
+@pytest.mark.needs_rendering
+def test_behaviour_cloning_end_to_end(tmp_path):
+    overrides = [f"output_dir={tmp_path}", "steps=20", "checkpoint_every=20", "progress=false"]
+    overrides += [f"data.task={TASK}", "data.episodes=3", f"data.image_size={SIZE}"]
+    overrides += [
+        "eval.episodes=1",
+        "eval.num_envs=1",
+        "train.batch_size=16",
+        "train.warmup_steps=1",
+        *TINY_MODEL,
+    ]
+    VLABCTrainer(load_config("pretrain/vla", overrides)).train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])  # it learns from the demonstrations
+    info = json.loads((tmp_path / "demos" / "meta" / "info.json").read_text())  # LeRobotDataset layout
+    assert info["robot_type"] == "sawyer" and info["features"]["action"]["shape"] == [4]
+    assert info["features"]["observation.state"]["names"][:4] == ["hand.0", "hand.1", "hand.2", "hand.3"]
+    assert info["total_episodes"] == 3
+    policy = VLAPolicy.from_pretrained(tmp_path / "policy")
+    assert (policy.config.proprio_dim, policy.config.action_dim) == (7, 4)
+    assert "pick" in policy.config.vocabulary
+
+
+@pytest.mark.needs_rendering
+def test_habc_steps_end_to_end(tmp_path):
+    tiny = {"image_size": SIZE, "channels": [8, 8], "keypoints": 8, "hidden": 32, "horizon": 4}
+    config = VLAConfig(vocabulary=task_vocabulary(), proprio_dim=7, action_dim=4, n_action_steps=2, **tiny)
+    VLAPolicy(config).save_pretrained(tmp_path / "base")
+    overrides = [f"output_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'base'}", f"rollout.task={TASK}"]
+    overrides += ["rollout.env_steps=12", "rollout.num_envs=1", "rollout.max_episode_steps=12", "steps=1"]
+    overrides += ["checkpoint_every=1", "progress=false", "eval.episodes=1", "eval.num_envs=1"]
+    overrides += ["eval.videos=0", "train.updates=2", "train.batch_size=8", "critic.updates=3"]
+    overrides += ["critic.batch_size=16", "intervention.window=3", "intervention.threshold=0.4"]
+    overrides += ["intervention.takeover_steps=4", "train.demos=null", "train.demo_episodes=2"]
+    result = VLAHABCTrainer(load_config("vla/habc", overrides)).train()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["env_steps"] >= 12 and row["actor_updates"] == 2
+    assert row["interventions_per_episode"] > 0  # the scripted policy took over from the untrained one
+    assert 0 <= result["success_rate"] <= 1
+
+
+@pytest.mark.needs_rendering
+def test_bench_rows_put_the_policy_in_the_loop_beside_raw_stepping(capsys):
+    rows = bench_vla(steps=3, num_envs=2, repeats=1, image_size=SIZE, branch_group_size=2, branch_every=1)
+    meta = [row for row in rows if row["section"] == "(e)"]
+    assert [row["target"] for row in meta] == [0.5, None]
+    assert (
+        meta[0]["name"].startswith(TASK)
+        and meta[0]["baseline"] == f"{TASK}: rgb {SIZE}px obs, random actions"
+    )
+    assert meta[1]["baseline"] == f"{TASK}: state obs, random actions"
+    for row in meta:
+        assert row["steps_per_s"] > 0 and row["ratio"] == pytest.approx(
+            row["steps_per_s"] / row["baseline_steps_per_s"]
+        )
+    assert meta[0]["verdict"] == ("PASS" if meta[0]["ratio"] >= 0.5 else "FAIL")
+    with pytest.raises(ConfigError, match="metaworld_task = 'metaworld/nope-v3'"):
+        bench_vla(steps=3, num_envs=2, repeats=1, image_size=SIZE, metaworld_task="metaworld/nope-v3")
