@@ -106,6 +106,31 @@ def test_gate_and_habc_advantages_on_hand_made_tensors():
     assert gate(torch.tensor([0.0]), 50.0, 0.5) < 1e-6 and gate(torch.tensor([1.0]), 50.0, 0.5) > 1 - 1e-6
 
 
+def test_each_ablation_takes_its_part_out_of_the_mix():
+    v, v_next = torch.tensor([0.2, 0.8, 0.5]), torch.tensor([0.3, 0.9, 0.5])
+    heads = (
+        Head(torch.tensor([0.0, 1.0, 0.0]), v, v_next, torch.tensor([False, True, False]), 0.9),
+        Head(
+            torch.full((3,), -0.02),
+            torch.tensor([-0.5, -0.1, -0.3]),
+            torch.tensor([-0.4, 0.0, -0.3]),
+            torch.tensor([False, True, False]),
+            0.98,
+        ),
+    )
+    full = habc_advantages(*heads, Gate(10.0, 0.5))
+    for ablate, expected in (
+        ("viability_critic", full.a_e),  # the efficiency advantage alone
+        ("efficiency_critic", full.a_v),  # the viability advantage alone
+        ("gate", (full.a_v + full.a_e) / 2),  # the same even mix in every state
+    ):
+        out = habc_advantages(*heads, Gate(10.0, 0.5, frozenset({ablate})))
+        torch.testing.assert_close(out.advantage, expected)
+        torch.testing.assert_close(out.a_v, full.a_v)
+        torch.testing.assert_close(out.a_e, full.a_e)
+    assert not torch.allclose(full.advantage, (full.a_v + full.a_e) / 2)  # the gate does vary by state
+
+
 def test_weights_are_exp_beta_a_clipped_at_w_max():
     a = torch.tensor([-1.0, 0.0, 0.1, 10.0, 1e4])
     w = advantage_weights(a, Weighting(beta=5.0, w_max=20.0))
@@ -166,6 +191,17 @@ def test_intervention_aware_credit_reaches_only_policy_segments():
     assert relabelled.sum(1).tolist() == [4, 2, 2, 3]
 
 
+def test_without_intervention_aware_credit_the_expert_s_success_reaches_the_policy():
+    tr = toy_transitions()
+    r_v, done_v = viability_rewards(tr, credit=False)
+    # the segment that handed over to the expert now ends with its episode's success
+    assert r_v.tolist() == [0, 0, 0, 1] + [0, 1] + [0, 0, 0] + [0, 1] + [0, 0, 0]
+    assert done_v.tolist() == viability_rewards(tr)[1].tolist()
+    v_rows, e_rows = head_rows(tr, credit=False)
+    assert v_rows.tolist() == list(range(11))
+    assert e_rows.tolist() == [0, 1, 2, 3, 4, 5, 9, 10]  # every policy segment of a successful episode
+
+
 def test_a_chunk_is_credited_with_the_discounted_advantages_of_its_executed_steps():
     tr = toy_transitions()
     decisions, rows, executed = executed_chunks(tr.chunk_step, tr.seg_left, horizon=4)
@@ -216,9 +252,11 @@ def test_success_curve_and_episodes_to_80(tmp_path):
 
 
 @pytest.mark.needs_rendering
-@pytest.mark.parametrize("method", ["awr", "bc", "dagger", "grpo"])
+@pytest.mark.parametrize("method", ["awr", "bc", "dagger", "grpo", "habc ablated"])
 def test_each_baseline_runs_end_to_end(tmp_path, tiny_policy_dir, method):
     extra = ["rollout.group_size=2"] if method == "grpo" else []
+    if method == "habc ablated":
+        method, extra = "habc", ["habc.ablate=[gate,intervention_credit]"]
     _, result = run(tmp_path, tiny_policy_dir, f"method={method}", *extra)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -229,6 +267,8 @@ def test_each_baseline_runs_end_to_end(tmp_path, tiny_policy_dir, method):
         assert rows[1]["actor_updates"] == 2 and rows[1]["interventions_per_episode"] > 0
     if method == "awr":
         assert {"critic_v_loss", "weight_mean", "weight_max"} <= rows[1].keys()
+    if method == "habc":  # the gate taken out: an even mix in every state
+        assert rows[1]["gate_mean"] == pytest.approx(0.5)
     evaluation = json.loads((tmp_path / "eval.json").read_text())
     assert set(evaluation) == {"before", "after"} and evaluation["after"] == result
     assert VLAPolicy.from_pretrained(tmp_path / "policy").config.image_size == SIZE
@@ -408,6 +448,8 @@ def test_habc_resume_repeats_the_next_iteration_exactly(tmp_path, tiny_policy_di
         ("actor.beta=0", "actor.beta = 0.0 is out of range"),
         ("intervention.window=0", "intervention.window = 0 is out of range"),
         ("habc.gate_tau=2", "habc.gate_tau = 2.0 is out of range"),
+        ("habc.ablate=[gait]", "unknown part(s)"),
+        ("habc.ablate=[viability_critic,efficiency_critic]", "takes out both critics"),
     ],
 )
 def test_bad_config_values_name_the_key(override, message):

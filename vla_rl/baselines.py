@@ -60,19 +60,20 @@ class BufferMethod(NamedTuple):
 def habc_critic_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig) -> CriticTargets:
     """Viability on policy segments, efficiency on the policy's own successes (`habc.critic_targets`)."""
     c = cfg.critic
-    return critic_targets(critics, tr, c.gamma_v, c.gamma_e, c.lam)
+    credit = "intervention_credit" not in cfg.habc.ablate
+    return critic_targets(critics, tr, c.gamma_v, c.gamma_e, c.lam, credit)
 
 
 def habc_actor(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: int) -> ActorTargets:
     """The executed chunks, weighted by HABC's gated advantage (`habc.habc_weights`)."""
     c, a, h = cfg.critic, cfg.actor, cfg.habc
-    viability, efficiency = heads(critics, tr, c.gamma_v, c.gamma_e)
+    viability, efficiency = heads(critics, tr, c.gamma_v, c.gamma_e, "intervention_credit" not in h.ablate)
     chunks = executed_chunks(tr.chunk_step, tr.seg_left, horizon) if a.per_chunk else None
     weights, stats = habc_weights(
         tr.intervention,
         viability,
         efficiency,
-        Gate(h.gate_k, h.gate_tau),
+        Gate(h.gate_k, h.gate_tau, frozenset(h.ablate)),
         Weighting(a.beta, a.w_max, a.normalize),
         h.intervention_weight,
         chunks,

@@ -18,6 +18,7 @@ from mmrl.samplers import build_sampler
 from vla_rl.baselines import BUFFER_METHODS
 from vla_rl.branching import BranchPlan
 from vla_rl.evaluate import TASK_HELP
+from vla_rl.habc import ABLATIONS
 from vla_rl.online import GroupSeeds
 from vla_rl.pretrain import checked_task
 
@@ -125,6 +126,12 @@ class HABCGateConfig:
     gate_k: float = option(10.0, "gate sharpness k in g = sigmoid(k (V_v - tau))", min=0.0)
     gate_tau: float = option(0.5, "viability at which the gate is half open", min=0.0, max=1.0)
     intervention_weight: float = option(1.0, "actor weight of intervention (demonstration) steps", min=0.0)
+    ablate: list[str] = option(
+        [],
+        "HABC's parts taken out, for ablations (method habc): viability_critic (A = A_e), "
+        "efficiency_critic (A = A_v), gate (a fixed even mix), intervention_credit (every policy "
+        "segment gets its episode's outcome)",
+    )
 
 
 @dataclass
@@ -253,6 +260,7 @@ class VLAHABCConfig(BaseConfig):
                 f"config error: grpo.branch_every = {self.grpo.branch_every} branches GRPO groups, but "
                 f"method = {self.method!r}: use method=grpo, or grpo.branch_every=0"
             )
+        self.check_ablations()
         if self.train.demos and self.train.demo_episodes:
             raise ConfigError(
                 f"config error: train.demos = {self.train.demos!r} and train.demo_episodes = "
@@ -294,6 +302,25 @@ class VLAHABCConfig(BaseConfig):
                 "groups of a wave (rollout.num_envs / rollout.group_size): raise it"
             )
         build_sampler(r.sampler, r.sampler_options, r.task_variants, self.seed, "rollout.sampler_options")
+
+    def check_ablations(self) -> None:
+        ablate = self.habc.ablate
+        unknown = [name for name in ablate if name not in ABLATIONS]
+        if unknown:
+            raise ConfigError(
+                f"config error: habc.ablate = {ablate}: unknown part(s) {unknown}; "
+                f"choose from {list(ABLATIONS)}"
+            )
+        if {"viability_critic", "efficiency_critic"} <= set(ablate):
+            raise ConfigError(
+                f"config error: habc.ablate = {ablate} takes out both critics, which leaves no advantage: "
+                "keep one (the AWR baseline is method=awr)"
+            )
+        if ablate and self.method != "habc":
+            raise ConfigError(
+                f"config error: habc.ablate = {ablate} takes parts out of HABC, but method = "
+                f"{self.method!r}: use method=habc, or habc.ablate=[]"
+            )
 
     def check_grpo_advantage(self) -> None:
         """A flat group needs a group advantage (of a size it accepts); a branched one, a tree advantage,

@@ -21,6 +21,12 @@ which needs no target network); advantages are always one-step. Per chunk (`acto
 the policy sampled is one decision: its advantage is the discounted sum of the one-step advantages of
 the steps executed from it (the chunk's n-step TD error), and its weight goes to each of those steps.
 The TD math is HABC's fixed mechanism, so it calls `mmrl.advantages.td1` / `gae` directly.
+
+Ablations (`habc.ablate`, `ABLATIONS`) take one part out at a time: without the viability critic A =
+A_e (g = 1), without the efficiency critic A = A_v (g = 0), without the gate a fixed even mix (g =
+1/2 in every state), without intervention-aware credit every policy segment gets its episode's
+outcome (the expert's success after a take-over is credited to the policy's actions before it) and
+the efficiency head trains on every policy segment of a successful episode.
 """
 
 from __future__ import annotations
@@ -46,11 +52,16 @@ class Head(NamedTuple):
     gamma: float
 
 
+ABLATIONS = ("viability_critic", "efficiency_critic", "gate", "intervention_credit")
+
+
 class Gate(NamedTuple):
-    """g = sigmoid(k (V_v - tau)): k its sharpness, tau the viability at which it is half open."""
+    """g = sigmoid(k (V_v - tau)): k its sharpness, tau the viability at which it is half open;
+    `ablate` the parts of the mix taken out (of `ABLATIONS`: the critics and the gate)."""
 
     k: float
     tau: float
+    ablate: frozenset[str] = frozenset()
 
 
 class Weighting(NamedTuple):
@@ -138,6 +149,12 @@ def habc_advantages(
     a_v = one_step_advantage(viability)
     a_e = one_step_advantage(efficiency)
     g = gate(viability.values, gate_params.k, gate_params.tau)
+    if "gate" in gate_params.ablate:
+        g = torch.full_like(g, 0.5)
+    if "viability_critic" in gate_params.ablate:
+        g = torch.ones_like(g)
+    if "efficiency_critic" in gate_params.ablate:
+        g = torch.zeros_like(g)
     if chunks is not None:
         a_v = chunk_advantage(a_v, chunks.rows, chunks.executed, viability.gamma)
         a_e = chunk_advantage(a_e, chunks.rows, chunks.executed, efficiency.gamma)
@@ -235,13 +252,15 @@ class Critics(nn.Module):
         return out[:, 0], -torch.sigmoid(out[:, 1])
 
 
-def viability_rewards(tr: Transitions) -> tuple[Tensor, Tensor]:
+def viability_rewards(tr: Transitions, credit: bool = True) -> tuple[Tensor, Tensor]:
     """Intervention-aware outcome rewards of the viability head, and its terminal flags.
 
     A policy segment ends at its last step: with the episode's outcome when it ends the episode, with
     0 when the expert takes over after it. Intervention rows get reward 0 and are never trained on,
-    so the outcome reaches policy-executed steps only."""
-    label = (tr.success & tr.seg_ends_episode & ~tr.intervention).float()
+    so the outcome reaches policy-executed steps only. Without `credit` (the ablation) every policy
+    segment ends with its episode's outcome."""
+    ends = tr.seg_ends_episode if credit else torch.ones_like(tr.seg_ends_episode)
+    label = (tr.success & ends & ~tr.intervention).float()
     last = tr.last & ~tr.intervention
     return torch.where(last, label, 0.0), last
 
@@ -251,20 +270,24 @@ def efficiency_rewards(tr: Transitions, gamma_e: float) -> tuple[Tensor, Tensor]
     return torch.full((len(tr),), -(1.0 - gamma_e)), tr.terminated & tr.success
 
 
-def head_rows(tr: Transitions) -> tuple[Tensor, Tensor]:
+def head_rows(tr: Transitions, credit: bool = True) -> tuple[Tensor, Tensor]:
     """Rows each head trains on: viability on every policy-executed step (never an intervention step),
-    efficiency on the policy segments that ended in the policy's own success."""
+    efficiency on the policy segments that ended in the policy's own success (without `credit`: on
+    every policy segment of a successful episode)."""
     policy = ~tr.intervention
-    return torch.nonzero(policy).flatten(), torch.nonzero(policy & tr.success & tr.seg_ends_episode).flatten()
+    own = tr.seg_ends_episode if credit else torch.ones_like(tr.seg_ends_episode)
+    return torch.nonzero(policy).flatten(), torch.nonzero(policy & tr.success & own).flatten()
 
 
-def heads(critics: Critics, tr: Transitions, gamma_v: float, gamma_e: float) -> tuple[Head, Head]:
+def heads(
+    critics: Critics, tr: Transitions, gamma_v: float, gamma_e: float, credit: bool = True
+) -> tuple[Head, Head]:
     """The viability and efficiency heads' TD inputs on every transition, from the critics' current
-    values (no gradient)."""
+    values (no gradient); `credit` as in `viability_rewards`."""
     with torch.no_grad():
         logit, u = critics(tr.state)
         logit_next, u_next = critics(tr.next_state)
-    r_v, done_v = viability_rewards(tr)
+    r_v, done_v = viability_rewards(tr, credit)
     r_e, done_e = efficiency_rewards(tr, gamma_e)
     return (
         Head(r_v, torch.sigmoid(logit), torch.sigmoid(logit_next), done_v, gamma_v),
@@ -289,11 +312,11 @@ def segment_returns(head: Head, tr: Transitions, rows: Tensor, lam: float) -> Te
 
 
 def critic_targets(
-    critics: Critics, tr: Transitions, gamma_v: float, gamma_e: float, lam: float
+    critics: Critics, tr: Transitions, gamma_v: float, gamma_e: float, lam: float, credit: bool = True
 ) -> CriticTargets:
     """Each head's rows (`head_rows`) and TD(lambda) targets, clamped to the head's range."""
-    viability, efficiency = heads(critics, tr, gamma_v, gamma_e)
-    v_rows, e_rows = head_rows(tr)
+    viability, efficiency = heads(critics, tr, gamma_v, gamma_e, credit)
+    v_rows, e_rows = head_rows(tr, credit)
     v_target = segment_returns(viability, tr, v_rows, lam)
     e_target = segment_returns(efficiency, tr, e_rows, lam)
     return CriticTargets(v_rows, v_target.clamp(0, 1), e_rows, e_target.clamp(-1, 0))
