@@ -271,7 +271,7 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             **info,
             **extra,
             "is_success": success,
-            "instruction": self.instruction,
+            "instruction": info.get("instruction", self.instruction),  # an env that says its own
             "unstable": bool(info.get("unstable", False)),
         }
 

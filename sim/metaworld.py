@@ -1,6 +1,6 @@
 """Meta-World's 50 Sawyer manipulation tasks as mmrl sim tasks: `metaworld/<task>` (e.g.
 `metaworld/pick-place-v3`) wherever mmrl takes a sim task, with the task's scripted policy as the
-expert.
+expert; and its multi-task suites `metaworld/MT10` and `metaworld/MT50`, one task per episode.
 
 Meta-World 3.1.1 pins mujoco 3.3.0, but runs unchanged on the mujoco of mmrl's `robot` extra: install
 it with `pip install --no-deps metaworld==3.1.1` after mmrl (README: Robot policies).
@@ -32,11 +32,8 @@ INSTALL = "pip install --no-deps metaworld==3.1.1 scipy (it pins mujoco 3.3.0 an
 MAX_EPISODE_STEPS = 200
 CAMERA = "corner2"  # sees the table, the arm and the objects of every task
 OBSERVATION = "observation"  # Meta-World's observation is one 39-vector; these parts of it:
-HAND, OBJECTS, GOAL = (
-    slice(0, 4),
-    slice(4, 36),
-    slice(36, 39),
-)  # hand xyz + gripper; 2 object poses x 2 frames
+HAND, OBJECTS, GOAL = slice(0, 4), slice(4, 36), slice(36, 39)  # hand + gripper; 2 object poses, 2 frames
+SUITES = ("MT10", "MT50")  # multi-task sets: one task per episode, drawn from the reset's seed
 
 
 def installed() -> bool:
@@ -50,125 +47,175 @@ def task_names() -> list[str]:
     return list(ALL_V3_ENVIRONMENTS)
 
 
+def suite_tasks(name: str) -> list[str]:
+    """The tasks of a suite ("MT10": Meta-World's MT10 set, in its order), or [name] for one task."""
+    if name in SUITES:
+        from metaworld import env_dict
+
+        return list(getattr(env_dict, f"{name}_V3"))
+    return [name]
+
+
 def instruction(name: str) -> str:
     """The task's name in words: "pick-place-wall-v3" -> "pick place wall"."""
     return name.rsplit("-v", 1)[0].replace("-", " ")
 
 
+def _sawyer(task: str):
+    """Meta-World's env for `task`, usable at once: the goal observed, a fresh placement per seed."""
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+    from metaworld.types import Task
+
+    env = ALL_V3_ENVIRONMENTS[task]()
+    # Meta-World's public way to make an env usable is set_task; this one observes the goal and
+    # then draws every placement afresh from the env's seeded generator instead of a frozen one
+    placement = np.zeros(env._random_reset_space.low.size)
+    data = {"env_cls": type(env), "rand_vec": placement, "partially_observable": False}
+    env.set_task(Task(task, pickle.dumps(data)))
+    env._freeze_rand_vec, env.seeded_rand_vec = False, True
+    # as in mmrl's own scene: no shadows, reflections or anti-aliasing (10x faster in software EGL)
+    env.model.light_castshadow[:] = 0
+    env.model.mat_reflectance[:] = 0
+    env.model.vis.quality.offsamples = 0
+    return env
+
+
 class MetaWorldEnv(gym.Env):
-    """One Meta-World task with a fresh placement per `reset(seed=...)`, the goal in the observation and
-    `info["is_success"]`; frames of `width` x `height` from `camera_name`."""
+    """One Meta-World task, or a suite of them (`tasks` a list: each reset picks one from its seed and
+    the observation gains the task's one-hot), with a fresh placement per `reset(seed=...)`, the goal in
+    the observation, `info["is_success"]` and the episode's `info["instruction"]`; frames of `width` x
+    `height` from `camera_name`."""
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 80}
 
     def __init__(
         self,
-        task: str,
+        task: str | list[str],
         render_mode: str | None = None,
         width: int = 96,
         height: int = 96,
         camera_name: str = CAMERA,
     ) -> None:
-        from metaworld.env_dict import ALL_V3_ENVIRONMENTS
-        from metaworld.types import Task
-
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode={render_mode!r}: Meta-World tasks render 'rgb_array' or nothing")
-        env = ALL_V3_ENVIRONMENTS[task]()
-        # Meta-World's public way to make an env usable is set_task; this one observes the goal and
-        # then draws every placement afresh from the env's seeded generator instead of a frozen one
-        placement = np.zeros(env._random_reset_space.low.size)
-        data = {"env_cls": type(env), "rand_vec": placement, "partially_observable": False}
-        env.set_task(Task(task, pickle.dumps(data)))
-        env._freeze_rand_vec, env.seeded_rand_vec = False, True
-        # as in mmrl's own scene: no shadows, reflections or anti-aliasing (10x faster in software EGL)
-        env.model.light_castshadow[:] = 0
-        env.model.mat_reflectance[:] = 0
-        env.model.vis.quality.offsamples = 0
-        self.sawyer, self.render_mode = env, render_mode
-        self.camera, self.width, self.height = camera_name, width, height
-        self._renderer: CameraRenderer | None = None  # ours, not Meta-World's: headless EGL, closed at exit
-        box = env.sawyer_observation_space  # recomputed by set_task for the observed goal
+        self.tasks = [task] if isinstance(task, str) else list(task)
+        self.sawyers = [_sawyer(name) for name in self.tasks]
+        self.active = 0
+        self.render_mode, self.camera, self.width, self.height = render_mode, camera_name, width, height
+        self._renderers: dict[
+            int, CameraRenderer
+        ] = {}  # ours, not Meta-World's: headless EGL, closed at exit
+        box = self.sawyers[0].sawyer_observation_space  # recomputed by set_task for the observed goal
         low, high = box.low.astype(np.float32), box.high.astype(np.float32)
-        self.observation_space = gym.spaces.Box(low, high, box.shape, np.float32)
-        self.action_space = env.action_space
+        if len(self.tasks) > 1:  # the task's one-hot
+            low, high = np.append(low, np.zeros(len(self.tasks))), np.append(high, np.ones(len(self.tasks)))
+        self.observation_space = gym.spaces.Box(
+            low.astype(np.float32), high.astype(np.float32), dtype=np.float32
+        )
+        self.action_space = self.sawyers[0].action_space
+
+    @property
+    def sawyer(self):
+        """The env of the episode's task."""
+        return self.sawyers[self.active]
+
+    def _observation(self, obs: np.ndarray) -> np.ndarray:
+        if len(self.tasks) > 1:
+            obs = np.append(obs, np.eye(len(self.tasks))[self.active])
+        return obs.astype(np.float32)
+
+    def _info(self, info: dict, success: bool) -> dict:
+        return {**info, "is_success": success, "instruction": instruction(self.tasks[self.active])}
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
+        self.active = int(self.np_random.integers(len(self.tasks)))
         self.sawyer.seed(int(self.np_random.integers(2**31 - 1)))  # Meta-World's reset ignores its seed
         obs, info = self.sawyer.reset()
-        return obs.astype(np.float32), {**info, "is_success": False}
+        return self._observation(obs), self._info(info, False)
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.sawyer.step(np.asarray(action, dtype=np.float64))
+        success = bool(info["success"])
         return (
-            obs.astype(np.float32),
+            self._observation(obs),
             float(reward),
             bool(terminated),
             bool(truncated),
-            {
-                **info,
-                "is_success": bool(info["success"]),
-            },
+            self._info(info, success),
         )
 
     def render(self) -> np.ndarray | None:
         if self.render_mode != "rgb_array":
             return None
-        if self._renderer is None:
-            self._renderer = CameraRenderer(self.sawyer.model, self.camera, self.height, self.width)
+        if self.active not in self._renderers:
+            self._renderers[self.active] = CameraRenderer(
+                self.sawyer.model, self.camera, self.height, self.width
+            )
         # Meta-World's cameras are mounted upside down: flip rows, as its own renderer does
-        return np.ascontiguousarray(self._renderer.render(self.sawyer.data)[::-1])
+        return np.ascontiguousarray(self._renderers[self.active].render(self.sawyer.data)[::-1])
 
     def close(self) -> None:
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
-        self.sawyer.close()
+        for renderer in self._renderers.values():
+            renderer.close()
+        self._renderers.clear()
+        for sawyer in self.sawyers:
+            sawyer.close()
 
 
 class MetaWorldExpert(Expert):
-    """The task's scripted policy from `metaworld.policies`, fed the observation rebuilt from the state."""
+    """The task's scripted policy from `metaworld.policies`, fed the observation rebuilt from the state
+    (in a suite, the policy of the task the one-hot names)."""
 
     def __init__(self, task: ExternalTask) -> None:
         from metaworld.policies import ENV_POLICY_MAP
 
         super().__init__(task)
-        self.policy = ENV_POLICY_MAP[task.env_id.removeprefix(PREFIX)]()
+        self.policies = [ENV_POLICY_MAP[name]() for name in suite_tasks(task.env_id.removeprefix(PREFIX))]
 
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
         obs = np.concatenate([s["hand"], s["objects"], s["goal"]])
+        policy = self.policies[int(np.argmax(s["task"]))] if "task" in s else self.policies[0]
         with warnings.catch_warnings():  # the policies warn that their gains exceed the action range
             warnings.simplefilter("ignore", UserWarning)
-            action = self.policy.get_action(obs)
+            action = policy.get_action(obs)
         return np.clip(action, -1.0, 1.0).astype(np.float32)
 
 
 def metaworld_task(env_id: str) -> ExternalTask:
-    """The ExternalTask for `metaworld/<name>`, its gymnasium id registered; ValueError for a name
-    Meta-World does not have (with the closest one), ImportError without Meta-World."""
+    """The ExternalTask for `metaworld/<task>` or a suite `metaworld/MT10` (`metaworld/MT50`), its
+    gymnasium id registered; ValueError for a name Meta-World does not have (with the closest one),
+    ImportError without Meta-World."""
     if not installed():
         raise ImportError(f"task {env_id} comes from Meta-World, which is not installed: {INSTALL}")
     name = env_id.removeprefix(PREFIX)
-    names = task_names()
+    names = [*task_names(), *SUITES]
     if name not in names:
         hint = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
         extra = f" Did you mean {PREFIX + hint[0]!r}?" if hint else ""
         raise ValueError(
-            f"Meta-World has no task {name!r} ({len(names)} tasks, e.g. {PREFIX}{names[0]}).{extra}"
+            f"Meta-World has no task {name!r} ({len(names) - len(SUITES)} tasks, e.g. {PREFIX}{names[0]}, "
+            f"and the suites {', '.join(PREFIX + suite for suite in SUITES)}).{extra}"
         )
+    tasks = suite_tasks(name)
     if env_id not in gym.registry:
         gym.register(
             env_id,
             entry_point=f"{__name__}:MetaWorldEnv",
-            kwargs={"task": name},
+            kwargs={"task": tasks if name in SUITES else name},
             max_episode_steps=MAX_EPISODE_STEPS,
             disable_env_checker=True,  # its bounds are infinite for object poses, which the checker warns of
         )
+    privileged = [("objects", OBSERVATION, OBJECTS.start, OBJECTS.stop)]
+    if name in SUITES:  # which task the episode is: the expert's to know, the policy reads the instruction
+        privileged.append(("task", OBSERVATION, GOAL.stop, GOAL.stop + len(tasks)))
+    # a suite's instruction holds every word its episodes' instructions use (the policy's vocabulary);
+    # each episode's own is in info["instruction"]
+    words = dict.fromkeys(word for task in tasks for word in instruction(task).split())
     return ExternalTask(
         env_id=env_id,
-        instruction=instruction(name),
+        instruction=" ".join(words),
         proprio=(("hand", OBSERVATION, HAND.start, HAND.stop), ("goal", OBSERVATION, GOAL.start, GOAL.stop)),
-        privileged=(("objects", OBSERVATION, OBJECTS.start, OBJECTS.stop),),
+        privileged=tuple(privileged),
         robot_type="sawyer",
     )

@@ -67,6 +67,28 @@ def test_the_scripted_policy_solves_scenes_and_takes_over_from_a_stray_state():
     env.close()
 
 
+def test_mt10_draws_a_task_per_episode_and_its_expert_follows():
+    env = sim.make("metaworld/MT10")
+    expert = expert_for("metaworld/MT10")
+    layout = env.get_wrapper_attr("state_layout")
+    assert list(layout) == ["hand", "goal", "objects", "task"] and env.get_wrapper_attr("proprio_dim") == 7
+    vocabulary = set(env.get_wrapper_attr("instruction").split())
+    seen = {}
+    for seed in range(12):
+        obs, info = env.reset(seed=seed)
+        one_hot = obs["state"][layout["task"]]
+        assert one_hot.sum() == 1 and set(info["instruction"].split()) <= vocabulary
+        seen.setdefault(int(one_hot.argmax()), set()).add(info["instruction"])
+        if seed < 3:
+            for _ in range(MAX_EPISODE_STEPS):
+                _, _, terminated, truncated, info = env.step(expert.act(env))
+                if terminated or truncated:
+                    break
+            assert info["is_success"], (seed, info["instruction"])
+    assert len(seen) >= 5 and all(len(names) == 1 for names in seen.values())  # one instruction per task
+    env.close()
+
+
 def test_a_name_meta_world_lacks_is_a_config_error_with_the_closest_one():
     with pytest.raises(ConfigError, match=r"no task 'pick-plce-v3'.*Did you mean 'metaworld/pick-place-v3'"):
         load_config("pretrain/vla", ["data.task=metaworld/pick-plce-v3"])
