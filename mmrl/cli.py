@@ -243,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compare, a method's legend label; once per method, in the order its first run is "
         "given (default: the common prefix of its run directory names)",
     )
+    report.add_argument(
+        "--seed-key",
+        action="append",
+        metavar="KEY",
+        help="with --compare, a config key (dotted) that may also differ between seeds of one method, "
+        "e.g. model.path and train.demos when every seed fine-tunes its own base; once per key",
+    )
     report.set_defaults(rest="run_dir")
 
     sub.add_parser(
@@ -390,12 +397,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from mmrl.report import write_report
 
     if args.compare:
-        png = compare_runs(args.run_dir, args.metric, args.compare, args.label)
+        png = compare_runs(args.run_dir, args.metric, args.compare, args.label, args.seed_key)
         print(png)
         print(png.with_suffix(".json"))
         return 0
-    if args.label:
-        raise ConfigError("--label names the methods of a comparison: pass --compare PNG with it")
+    if args.label or args.seed_key:
+        raise ConfigError("--label and --seed-key are for a comparison: pass --compare PNG with them")
     if len(args.run_dir) > 1:
         raise ConfigError("mmrl report takes one run directory; pass --compare PNG to compare several")
     print(write_report(args.run_dir[0]))

@@ -165,10 +165,10 @@ def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
     return curve
 
 
-def _method_key(run: Path) -> tuple[str, Any]:
+def _method_key(run: Path, seed_keys: tuple[str, ...] = ()) -> tuple[str, Any]:
     """(what seeds of one method share, the run's seed): the saved config, with the defaults of keys
     added since the run was made (their defaults keep what runs did before them) and without
-    `NOT_METHOD_KEYS`; a run without a config.yaml is a method of its own."""
+    `NOT_METHOD_KEYS` and `seed_keys`; a run without a config.yaml is a method of its own."""
     import yaml
 
     path = run / "config.yaml"
@@ -182,7 +182,8 @@ def _method_key(run: Path) -> tuple[str, Any]:
         return f"run {run.resolve()}", None
     with contextlib.suppress(ConfigError):  # one this version no longer reads: compared as written
         config = to_dict(load_config(str(path)))
-    return json.dumps(_without(config, NOT_METHOD_KEYS), sort_keys=True, default=str), config.get("seed")
+    method = _without(config, (*NOT_METHOD_KEYS, *seed_keys))
+    return json.dumps(method, sort_keys=True, default=str), config.get("seed")
 
 
 def _without(config: dict, dotted_keys: tuple[str, ...]) -> dict:
@@ -286,12 +287,17 @@ def _legend(method: dict) -> str:
 
 
 def compare_runs(
-    run_dirs: list[str | Path], metric: str, out: str | Path, labels: list[str] | None = None
+    run_dirs: list[str | Path],
+    metric: str,
+    out: str | Path,
+    labels: list[str] | None = None,
+    seed_keys: list[str] | None = None,
 ) -> Path:
     """One PNG comparing methods by held-out `metric` (before, every `eval_every` steps, after), and
     its numbers in ``<png stem>.json`` beside it.
 
-    Runs whose config.yaml is the same but for `NOT_METHOD_KEYS` are seeds of one method, drawn once: the
+    Runs whose config.yaml is the same but for `NOT_METHOD_KEYS` (and `seed_keys`, such as the base
+    each seed fine-tunes) are seeds of one method, drawn once: the
     mean over seeds with a band (min-max for two seeds, mean +- std from three), labelled by
     `method_labels` or `labels` (one per method, in the order their first run is given) and n. Seeds
     must be evaluated at the same steps. Panels, one per x axis some run logged (`X_AXES`): training
@@ -313,7 +319,7 @@ def compare_runs(
     groups: dict[str, list[int]] = {}
     seeds: list[Any] = []
     for i, run in enumerate(runs):
-        key, seed = _method_key(run)
+        key, seed = _method_key(run, tuple(seed_keys or ()))
         groups.setdefault(key, []).append(i)
         seeds.append(seed)
     members = list(groups.values())

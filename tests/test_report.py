@@ -351,6 +351,26 @@ def test_compare_seeds_may_differ_in_bookkeeping_and_gold_reward_not_in_training
     assert [m["n"] for m in methods] == [2, 1]  # a key set to something other than its default
 
 
+def test_compare_seed_keys_group_seeds_that_fine_tune_their_own_base(tmp_path, capsys):
+    def config(seed: int, lr: float = 0.1) -> str:
+        return f"trainer: diffusion_nft\ntrain:\n  lr: {lr}\nmodel:\n  path: bases/s{seed}\n"
+
+    runs = [
+        seed_run(tmp_path / f"ft_s{seed}", seed, {0: 0.1, 4: 0.2 + seed / 10}, config=config(seed))
+        for seed in (0, 1)
+    ]
+    runs.append(seed_run(tmp_path / "ft_lr_s0", 0, {0: 0.1, 4: 0.3}, config=config(0, lr=0.2)))
+    compare.compare_runs(runs, "heldout_alignment", tmp_path / "c.png")  # each base its own method
+    assert [m["n"] for m in json.loads((tmp_path / "c.json").read_text())["methods"]] == [1, 1, 1]
+    compare.compare_runs(runs, "heldout_alignment", tmp_path / "d.png", seed_keys=["model.path"])
+    methods = json.loads((tmp_path / "d.json").read_text())["methods"]
+    assert [(m["label"], m["n"]) for m in methods] == [("ft", 2), ("ft_lr_s0", 1)]  # lr still splits
+    from mmrl.cli import main
+
+    assert main(["report", runs[0], "--seed-key", "model.path"]) == 2
+    assert "--label and --seed-key are for a comparison" in capsys.readouterr().err
+
+
 def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
     runs = [
         seed_run(tmp_path / "m_s0", 0, {0: 0.1, 2: 0.2, 4: 0.3}),
