@@ -75,6 +75,9 @@ def test_renders():
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_ci_fails_a_skip_for_missing_rendering(ci, tmp_path):
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "fixed_isa.py").write_text(
+        (ROOT / "tests" / "fixed_isa.py").read_text()
+    )  # conftest's first import
     (tmp_path / "test_skips.py").write_text(CI_SKIPS)
     (tmp_path / "test_module_skip.py").write_text(
         'import pytest\n\npytest.skip("the robot extra (mujoco, gymnasium) is not installed", '
@@ -124,6 +127,7 @@ def test_without_the_robot_extra_its_tests_skip_and_ci_fails_them(ci, tmp_path):
     (tmp_path / "conftest.py").write_text(
         conftest.replace("\nHAS_ROBOT = all(", "\nHAS_ROBOT = False and all(")
     )
+    (tmp_path / "fixed_isa.py").write_text((ROOT / "tests" / "fixed_isa.py").read_text())
     (tmp_path / "test_marked.py").write_text(MARKED)
     (tmp_path / "test_sim_envs.py").write_text("import no_such_robot_stack\n\n\ndef test_x():\n    pass\n")
     env = {**os.environ, "CI": ci}
