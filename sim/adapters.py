@@ -154,6 +154,8 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
     the whole keys in `state_keys` order (each key once; by default gymnasium's own order), so that
     what a policy may see can come first: its first `proprio_dim` entries (default: all of them). The
     rest is privileged state for experts, supervisors and critics. `state_layout` names the parts.
+    With `instruction_from_info`, each episode's instruction is the env's own `info["instruction"]`
+    (a multi-task env; `instruction` then only lists the words they use).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
         proprio_dim: int | None = None,
         robot_type: str | None = None,
         state_parts: Sequence[PartSpec] | None = None,
+        instruction_from_info: bool = False,
     ) -> None:
         gym.utils.RecordConstructorArgs.__init__(
             self,
@@ -184,9 +187,11 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             proprio_dim=proprio_dim,
             robot_type=robot_type,
             state_parts=state_parts,
+            instruction_from_info=instruction_from_info,
         )
         gym.Wrapper.__init__(self, env)
         self.instruction, self.robot_type = instruction, robot_type
+        self.instruction_from_info = instruction_from_info
         self.success_fn, self.success_key = success_fn, success_key
         self.image, self.sparse_reward, self.terminate_on_success = image, sparse_reward, terminate_on_success
         space = env.observation_space
@@ -271,7 +276,9 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             **info,
             **extra,
             "is_success": success,
-            "instruction": info.get("instruction", self.instruction),  # an env that says its own
+            "instruction": info.get("instruction", self.instruction)
+            if self.instruction_from_info
+            else self.instruction,
             "unstable": bool(info.get("unstable", False)),
         }
 
@@ -301,6 +308,7 @@ def make_external(
     state_parts: Sequence[PartSpec] | None = None,
     proprio_dim: int | None = None,
     robot_type: str | None = None,
+    instruction_from_info: bool = False,
     **make_kwargs: Any,
 ) -> SuccessAdapter:
     """`gymnasium.make(env_id)` wrapped in a SuccessAdapter (rendering on when images are wanted)."""
@@ -319,6 +327,7 @@ def make_external(
             state_parts=state_parts,
             proprio_dim=proprio_dim,
             robot_type=robot_type,
+            instruction_from_info=instruction_from_info,
         )
     except ValueError:
         env.close()
@@ -345,6 +354,7 @@ class ExternalTask:
     package: str = ""
     install: str = ""  # how to install `package`
     make_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    instruction_from_info: bool = False  # each episode's instruction from the env's info (multi-task)
 
     def __post_init__(self) -> None:
         try:
@@ -407,6 +417,7 @@ class ExternalTask:
                 state_parts=self.proprio + self.privileged,
                 proprio_dim=self.proprio_dim,
                 robot_type=self.robot_type,
+                instruction_from_info=self.instruction_from_info,
                 **{**self.make_kwargs, **kwargs},
             )
         except ValueError as err:

@@ -218,4 +218,5 @@ def metaworld_task(env_id: str) -> ExternalTask:
         proprio=(("hand", OBSERVATION, HAND.start, HAND.stop), ("goal", OBSERVATION, GOAL.start, GOAL.stop)),
         privileged=tuple(privileged),
         robot_type="sawyer",
+        instruction_from_info=True,
     )
