@@ -102,12 +102,13 @@ class MetaWorldEnv(gym.Env):
         self.sawyers = [_sawyer(name) for name in self.tasks]
         self.active = 0
         self.render_mode, self.camera, self.width, self.height = render_mode, camera_name, width, height
-        self._renderers: dict[
-            int, CameraRenderer
-        ] = {}  # ours, not Meta-World's: headless EGL, closed at exit
+        # ours, not Meta-World's: headless EGL, closed at exit
+        self._renderers: dict[int, CameraRenderer] = {}
+        # in a suite the observation ends with the task's one-hot: made once, not at every step
+        self._one_hots = np.eye(len(self.tasks), dtype=np.float32) if len(self.tasks) > 1 else None
         box = self.sawyers[0].sawyer_observation_space  # recomputed by set_task for the observed goal
-        low, high = box.low.astype(np.float32), box.high.astype(np.float32)
-        if len(self.tasks) > 1:  # the task's one-hot
+        low, high = box.low, box.high
+        if self._one_hots is not None:
             low, high = np.append(low, np.zeros(len(self.tasks))), np.append(high, np.ones(len(self.tasks)))
         self.observation_space = gym.spaces.Box(
             low.astype(np.float32), high.astype(np.float32), dtype=np.float32
@@ -120,8 +121,8 @@ class MetaWorldEnv(gym.Env):
         return self.sawyers[self.active]
 
     def _observation(self, obs: np.ndarray) -> np.ndarray:
-        if len(self.tasks) > 1:
-            obs = np.append(obs, np.eye(len(self.tasks))[self.active])
+        if self._one_hots is not None:
+            obs = np.append(obs, self._one_hots[self.active])
         return obs.astype(np.float32)
 
     def _info(self, info: dict, success: bool) -> dict:
