@@ -213,6 +213,9 @@ class MemoryPlan:
     gradients: int  # bytes of the trained parameters' gradients (part of the update's transient peak)
     other_weights: dict[str, int]  # bytes of weights outside the trained module, by name
     phases: dict[str, PhasePeak]  # each phase's peak, the trained module's weights included
+    held: dict[str, int] = field(
+        default_factory=dict
+    )  # other bytes held throughout: buffers, data, simulators
     work: dict[str, str] = field(default_factory=dict)  # per iteration
     batch: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -223,8 +226,10 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        """The largest phase plus every weight outside it: the expected peak allocation of a process."""
-        return sum(self.other_weights.values()) + self.phases[self.peak_phase].total
+        """The largest phase plus every weight outside it and what is held throughout: the expected peak
+        allocation of a process."""
+        held = sum(self.other_weights.values()) + sum(self.held.values())
+        return held + self.phases[self.peak_phase].total
 
     def as_dict(self) -> dict[str, object]:
         peak = self.phases[self.peak_phase]
@@ -241,6 +246,7 @@ class MemoryPlan:
                 "peak": self.peak_bytes,
             },
             "other_weights": dict(self.other_weights),
+            "held": dict(self.held),
             "phases": {name: phase.total for name, phase in self.phases.items()},
             "peak_phase": self.peak_phase,
             "work_per_iteration": dict(self.work),
@@ -251,6 +257,7 @@ class MemoryPlan:
     def format(self) -> str:
         peak = self.phases[self.peak_phase]
         gib = human_bytes
+        width = max(28, *(len(name) + 2 for name in self.phases))
         lines = [
             f"plan for {self.recipe} on {self.processes} process(es), per process (in the dtypes the run "
             "keeps; no allocator overhead):",
@@ -260,10 +267,12 @@ class MemoryPlan:
             + "".join(f"\n    {name:<16}{gib(size)}" for name, size in self.other_weights.items()),
             f"  gradients         {gib(self.gradients)}  (while the update runs)",
             f"  optimizer states  {gib(peak.optimizer)}",
-            f"  activations       {gib(peak.transient)}  (with any gradients alive then: {self.peak_phase})",
+            f"  activations       {gib(peak.transient)}  (and any gradients and temporaries of the largest "
+            f"phase: {self.peak_phase})",
+            *(f"  {name:<18}{gib(size)}" for name, size in self.held.items()),
             f"  expected peak     {gib(self.peak_bytes)}",
             "  phases (the trained module, its optimizer states and the phase's own tensors at its peak):",
-            *(f"    {name:<28}{gib(phase.total)}" for name, phase in self.phases.items()),
+            *(f"    {name:<{width}}{gib(phase.total)}" for name, phase in self.phases.items()),
             "per iteration:",
             *(f"  {name}: {value}" for name, value in self.work.items()),
             "batch:",

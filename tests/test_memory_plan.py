@@ -113,8 +113,8 @@ def test_a_run_on_another_number_of_processes_than_the_recipe_s_warns(replicas, 
 def test_dry_run_mistakes_are_one_line_errors(tmp_path, capsys):
     assert main(["train", "diffusion/nft", f"output_dir={tmp_path / 'a'}", "--processes", "2"]) == 2
     assert "use it with --dry-run" in capsys.readouterr().err
-    assert main(["train", "vla/habc", f"output_dir={tmp_path / 'b'}", "--dry-run"]) == 2
-    assert "the vla_habc trainer has no memory plan yet; trainers with one: " in capsys.readouterr().err
+    assert main(["train", "pretrain/vla", f"output_dir={tmp_path / 'b'}", "--dry-run"]) == 2
+    assert "the vla_bc trainer has no memory plan yet; trainers with one: " in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -488,3 +488,51 @@ def test_recipes_share_the_budget(recipe):
             reference.train.demo_episodes,
             reference.train.demo_fraction,
         )
+
+
+# ----- the plan before a run ---------------------------------------------------------------------
+
+
+def test_the_dry_run_plans_the_replay_buffer_a_run_fills(tmp_path, tiny_policy_dir):
+    """The plan's replay buffer against the arrays a run stores, with every kind full: 100 policy and
+    100 failed-episode transitions of the 240 steps collected (no take-overs)."""
+    sizes = [
+        "intervention.enabled=false",
+        "rollout.env_steps=120",
+        "train.buffer_capacity=100",
+        "train.failure_capacity=100",
+    ]
+    config = load_config(
+        "vla/habc", [f"output_dir={tmp_path / 'plan'}", f"model.path={tiny_policy_dir}", *TINY, *sizes]
+    )
+    plan = VLAHABCTrainer.memory_plan(config, "vla/habc", 1)
+    trainer, _ = run(tmp_path / "run", tiny_policy_dir, *sizes)
+    stored = [s for kind in trainer.buffer.segments.values() for s in kind]
+    assert {kind: len(segments) > 0 for kind, segments in trainer.buffer.segments.items()} == {
+        "policy": True,
+        "intervention": False,
+        "failure": True,  # fmt: skip
+    }
+    real = sum(
+        array.nbytes
+        for s in stored
+        for array in (*s.obs.values(), s.action, s.reward, s.is_intervention, s.chunk_step)
+    )
+    assert abs(plan.held["replay buffer"] / real - 1) < 0.2, (plan.held["replay buffer"], real)
+    assert plan.trainable == sum(p.numel() for p in trainer.policy.parameters()) + sum(
+        p.numel() for p in trainer.critics.parameters()
+    )
+
+
+def test_the_dry_run_of_a_robot_recipe_prints_its_plan_and_writes_nothing(tmp_path, tiny_policy_dir, capsys):
+    from mmrl.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", "vla/habc", f"output_dir={out}", f"model.path={tiny_policy_dir}", *TINY, "--dry-run"]
+    assert main([*args, "--processes", "2"]) == 0
+    text = capsys.readouterr().out
+    for line in ("replay buffer", "demonstrations", "environments", "expected peak"):
+        assert line in text
+    assert "env steps: at least 30 (rollout.env_steps)" in text
+    assert "warning: the vla_habc trainer runs in one process" in text
+    assert not out.exists()

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from mmrl.config import ConfigError, shipped_path
 from mmrl.losses import aggregate_loss
+from mmrl.memory_plan import MemoryPlan
 from mmrl.registry import TRAINERS
 from mmrl.trainer import StepSkipped, Trainer, warmup_cosine
 from vla_rl.baselines import BUFFER_METHODS, ActorTargets
@@ -60,6 +61,7 @@ from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
 from vla_rl.grpo import update_branched_grpo, update_grpo
 from vla_rl.habc import Critics, CriticTargets, critic_losses
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
+from vla_rl.memory_plan import habc_memory_plan
 from vla_rl.online import Episode, Transitions, add_to_buffer, rollouts
 from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy, instruction_words
 from vla_rl.pretrain import frame_tensors
@@ -98,6 +100,10 @@ class VLAHABCTrainer(Trainer):
                 "to a directory written by VLAPolicy.save_pretrained"
             )
         super().__init__(config, accelerator)
+
+    @classmethod
+    def memory_plan(cls, config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
+        return habc_memory_plan(config, recipe, processes)
 
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:

@@ -1,0 +1,218 @@
+"""The robot trainer's plan for `mmrl train vla/... --dry-run` (see `mmrl.memory_plan`).
+
+The policy is small next to what a robot run keeps in host memory: every stored transition holds a
+camera frame, and the demonstrations are decoded into tensors once. So the plan loads the policy from
+`model.path` (it is small: no meta device needed), makes one environment of the task to read its
+spaces, instruction and time limit, and measures each phase on real tensors of the config's sizes
+with `LiveTensorBytes`: an actor update (`train.batch_size` action chunks, backward, optimizer step),
+a critic update (`critic.batch_size` states per head), a rollout step (`rollout.num_envs`
+observations) and an evaluation step (`eval.num_envs`). Beside the phases it counts, from the config
+and the spaces, the replay buffer when full (or when it holds everything the run collects), the flat
+transition rows an update builds from it, the buffer's second copy while a checkpoint is written,
+the decoded demonstrations and the environments (a rough figure per simulator and renderer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrl.config import ConfigError, shipped_path
+from mmrl.memory_plan import (
+    MemoryPlan,
+    PhasePeak,
+    measure_phase,
+    optimizer_state_bytes,
+    parameter_count,
+    weight_bytes,
+)
+from vla_rl.baselines import BUFFER_METHODS
+from vla_rl.config import ENV_BYTES, VLAHABCConfig
+from vla_rl.habc import Critics
+from vla_rl.lerobot_checks import load_info
+from vla_rl.policy import VLAPolicy, instruction_words
+
+# bytes per transition beside its frame, state and action: reward (float32), is_intervention (bool),
+# chunk_step (int64)
+STEP_EXTRA_BYTES = 4 + 1 + 8
+# bytes per row of the flat transitions an update builds (`vla_rl.online.Transitions`) beside its two
+# state vectors and action: eight int64 / bool index columns, rounded up
+FLAT_EXTRA_BYTES = 64
+EXPERT_PROBE_EPISODES = 4  # expert episodes run to estimate the demonstrations' length
+
+
+def task_facts(task: str, image_size: int, max_episode_steps: int) -> dict[str, Any]:
+    """State and action sizes, instruction and time limit of `task`, from one environment."""
+    import sim
+
+    kwargs: dict[str, Any] = {"obs_mode": "state+rgb", "image_size": image_size}
+    if max_episode_steps:
+        kwargs["max_episode_steps"] = max_episode_steps
+    env = sim.make(task, **kwargs)
+    try:
+        return {
+            "state_dim": env.observation_space["state"].shape[0],
+            "action_dim": env.action_space.shape[0],
+            "instruction": env.get_wrapper_attr("instruction"),
+            "max_steps": env.spec.max_episode_steps if env.spec is not None else None,
+        }
+    finally:
+        env.close()
+
+
+def expert_episode_steps(task: str, max_episode_steps: int, episodes: int = EXPERT_PROBE_EPISODES) -> float:
+    """The scripted expert's mean episode length on reset seeds 0 .. episodes-1, without rendering."""
+    import sim
+    from sim.experts import expert_for
+
+    kwargs: dict[str, Any] = {"obs_mode": "state"}
+    if max_episode_steps:
+        kwargs["max_episode_steps"] = max_episode_steps
+    env, expert = sim.make(task, **kwargs), expert_for(task)
+    steps = 0
+    try:
+        for seed in range(episodes):
+            env.reset(seed=seed)
+            done = False
+            while not done:
+                _, _, terminated, truncated, _ = env.step(expert.act(env))
+                done, steps = terminated or truncated, steps + 1
+    finally:
+        env.close()
+    return steps / episodes
+
+
+def demo_frames(config: VLAHABCConfig) -> tuple[int, str]:
+    """How many demonstration frames the run decodes, and how that was found."""
+    t = config.train
+    if t.demos:
+        info = load_info(shipped_path(t.demos))
+        return int(info["total_frames"]), f"{info['total_frames']:,d} frames in train.demos"
+    if t.demo_episodes:
+        length = expert_episode_steps(config.rollout.task, config.rollout.max_episode_steps)
+        return round(t.demo_episodes * length), (
+            f"about {t.demo_episodes} episodes (train.demo_episodes) x {length:.0f} steps, the expert's "
+            f"mean on {EXPERT_PROBE_EPISODES} reset seeds"
+        )
+    return 0, "none"
+
+
+def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
+    r, t, c = config.rollout, config.train, config.critic
+    try:
+        policy = VLAPolicy.from_pretrained(shipped_path(config.model.path)).train()
+    except (FileNotFoundError, ConfigError) as err:
+        raise ConfigError(f"config error: model.path = {config.model.path!r}: {err}") from None
+    size, horizon = policy.config.image_size, policy.config.horizon
+    task = task_facts(r.task, size, r.max_episode_steps)
+    policy.add_words(instruction_words(task["instruction"]))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
+    critics = Critics(task["state_dim"], c.hidden)
+    critic_optimizer = torch.optim.Adam(critics.parameters(), lr=c.lr)
+    uses_critics = (
+        config.method in BUFFER_METHODS and BUFFER_METHODS[config.method].critic_targets is not None
+    )
+
+    def batch(rows: int) -> dict[str, torch.Tensor]:
+        return {
+            "image": torch.zeros(rows, 3, size, size, dtype=torch.uint8),
+            "proprio": torch.zeros(rows, policy.config.proprio_dim),
+            "state": torch.zeros(rows, task["state_dim"]),
+            "tokens": policy.tokenize([task["instruction"]] * rows),
+        }
+
+    def actor_update() -> None:
+        dist = policy(batch(t.batch_size))
+        loss = -dist.log_prob(torch.zeros(t.batch_size, horizon, task["action_dim"])).mean()
+        if dist.state_loss is not None:
+            loss = loss + dist.state_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def critic_update() -> None:
+        states = torch.zeros(2 * c.batch_size, task["state_dim"])  # one minibatch per head
+        logit, u = critics(states)
+        (logit.square().mean() + u.square().mean()).backward()
+        critic_optimizer.step()
+        critic_optimizer.zero_grad(set_to_none=True)
+
+    def act(rows: int) -> None:
+        with torch.no_grad():
+            policy(batch(rows)).sample()
+
+    actor_update()  # the first steps create the optimizers' states, which every later phase holds
+    critic_update()
+    phases = {f"actor update ({t.batch_size} chunks)": measure_phase(actor_update, policy, optimizer)}
+    if uses_critics:
+        critic = measure_phase(critic_update, policy, optimizer)
+        phases[f"critic update ({c.batch_size} states per head)"] = critic
+    phases[f"rollout step ({r.num_envs} envs)"] = measure_phase(lambda: act(r.num_envs), policy, optimizer)
+    phases[f"evaluation step ({config.eval.num_envs} envs)"] = measure_phase(
+        lambda: act(config.eval.num_envs), policy, optimizer
+    )
+
+    collected = config.steps * r.env_steps
+    # each kind holds at most its capacity; the expert's steps only with take-overs on
+    online = min(t.buffer_capacity, collected) * (2 if config.intervention.enabled else 1)
+    transitions = online + min(t.failure_capacity, collected)
+    state_bytes = 4 * task["state_dim"]
+    step_bytes = 3 * size * size + state_bytes + 4 * task["action_dim"] + STEP_EXTRA_BYTES
+    buffer = transitions * step_bytes
+    flat = online * (2 * state_bytes + 4 * task["action_dim"] + FLAT_EXTRA_BYTES)
+    weights, states = weight_bytes([policy]), optimizer_state_bytes(optimizer)
+    update = max(phases.values(), key=lambda p: p.transient)
+    phases["update on the buffer's flat rows"] = PhasePeak(weights, states, update.transient + flat)
+    if config.checkpoint_every:
+        phases["checkpoint (a copy of the buffer)"] = PhasePeak(weights, states, buffer)
+    frames, frames_source = demo_frames(config)
+    # per decoded frame: image, proprio and state, tokens, the action chunk and its mask
+    frame_bytes = (
+        3 * size * size
+        + 4 * policy.config.proprio_dim
+        + state_bytes
+        + 8 * policy.config.max_words
+        + horizon * (4 * task["action_dim"] + 1)
+    )
+    other = {"critics": weight_bytes([critics]) + optimizer_state_bytes(critic_optimizer)}
+    held = {
+        "replay buffer": buffer,
+        "demonstrations": frames * frame_bytes,
+        "environments": (r.num_envs + config.eval.num_envs) * ENV_BYTES,
+    }
+    expert = (
+        f"take-overs of {config.intervention.takeover_steps} steps, at most "
+        f"{config.intervention.max_per_episode} per episode"
+        if config.intervention.enabled
+        else "no take-overs (intervention.enabled = false)"
+    )
+    work = {
+        "env steps": f"at least {r.env_steps:,d} (rollout.env_steps), in waves of {r.num_envs} episodes",
+        "episode length": f"at most {task['max_steps']} steps" if task["max_steps"] else "unlimited",
+        "expert": f"{expert}; demonstrations: {frames_source}",
+        "actor updates": f"{t.updates} of {t.batch_size} chunks (train.updates x train.batch_size)",
+        "critic updates": f"{c.updates} of {c.batch_size} states per head" if uses_critics else "none",
+        "replay buffer": f"{transitions:,d} transitions when full, {step_bytes:,d} bytes each "
+        f"({size} px frames)",
+        "environments": f"{r.num_envs} + {config.eval.num_envs} (rollout.num_envs + eval.num_envs), about "
+        f"{ENV_BYTES / 2**20:.0f} MiB each: a rough figure per simulator and renderer",
+    }
+    warnings = []
+    if processes > 1:
+        warnings.append(
+            f"the vla_habc trainer runs in one process; --processes {processes} would be refused at start"
+        )
+    return MemoryPlan(
+        recipe=recipe,
+        processes=processes,
+        parameters=parameter_count([policy, critics]),
+        trainable=parameter_count([policy, critics], trainable=True),
+        gradients=sum(p.numel() * p.element_size() for p in policy.parameters()),
+        other_weights=other,
+        phases=phases,
+        held=held,
+        work=work,
+        batch=[f"rollout.num_envs = {r.num_envs}, train.batch_size = {t.batch_size}, one process"],
+        warnings=warnings,
+    )
