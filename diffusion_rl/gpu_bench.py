@@ -47,7 +47,6 @@ IMAGE_SIZE = {"full": 1024, "tiny": 64}
 PROMPT = "a photo of a red square"
 FP8_TARGET = 1.5  # bfloat16 seconds / FP8 seconds of one denoising step
 PLAN_TARGET = 0.2  # |plan / measured peak - 1|
-POOL_STEPS = 10  # ODE steps of the ranking pools
 RECIPE = "diffusion/sd35m_pickscore_lora"
 TREE = [  # 16 leaves per prompt, as the recipe has 16 samples; depth-wise advantages for the shared edges
     "rollout.split_steps=[0,2,4,6]",

@@ -49,6 +49,7 @@ def bench_gpu(
     batch: int = 2,
     pool: int = 32,
     pool_prompts: int = 16,
+    pool_steps: int = 10,
     rollouts: int = 64,
     vllm: bool = True,
     workdir: str = "runs/bench/gpu_models",
@@ -56,7 +57,8 @@ def bench_gpu(
 ) -> list[dict[str, Any]]:
     """`sections` picks among denoiser, ranking, tree and vlm (default: all); `iterations` timed calls
     or training steps after a warm-up; `batch` latents per denoising step; `pool` seeds per prompt on
-    `pool_prompts` prompts for the ranking; `rollouts` conversations for the VLM rate."""
+    `pool_prompts` prompts for the ranking, sampled with `pool_steps` ODE steps; `rollouts`
+    conversations for the VLM rate."""
     chosen = list(SECTIONS) if sections is None else sections
     for name in chosen:
         if name not in SECTIONS:
@@ -67,7 +69,14 @@ def bench_gpu(
         raise ConfigError(
             f"config error: scale = {scale!r}: use full (the real sizes) or tiny (the replicas)"
         )
-    check_counts(iterations=iterations, batch=batch, pool=pool, pool_prompts=pool_prompts, rollouts=rollouts)
+    check_counts(
+        iterations=iterations,
+        batch=batch,
+        pool=pool,
+        pool_prompts=pool_prompts,
+        pool_steps=pool_steps,
+        rollouts=rollouts,
+    )
     if device.startswith("cuda") and not torch.cuda.is_available():
         print(NEEDS_CUDA)
         return [{"section": "gpu", "skipped": NEEDS_CUDA}]
@@ -81,7 +90,9 @@ def bench_gpu(
     for name in chosen:
         start = time.perf_counter()
         print(f"--- {name} ---", flush=True)
-        new = _section(name, scale, where, iterations, batch, pool, pool_prompts, rollouts, vllm, models)
+        new = _section(
+            name, scale, where, iterations, batch, pool, pool_prompts, pool_steps, rollouts, vllm, models
+        )
         seconds[name] = time.perf_counter() - start
         for row in new:
             print("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items() if k != "section"), flush=True)
@@ -116,6 +127,7 @@ def _section(
     batch: int,
     pool: int,
     pool_prompts: int,
+    pool_steps: int,
     rollouts: int,
     vllm: bool,
     workdir: Path,
@@ -129,7 +141,7 @@ def _section(
     if name == "denoiser":
         return gpu_bench.denoiser_step_rows(scale, device, iterations, batch)
     if name == "ranking":
-        return gpu_bench.fp8_ranking_rows(device, pool_prompts, pool, gpu_bench.POOL_STEPS)
+        return gpu_bench.fp8_ranking_rows(device, pool_prompts, pool, pool_steps)
     return gpu_bench.tree_rows(scale, device, iterations, workdir)
 
 

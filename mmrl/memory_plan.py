@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -47,17 +46,10 @@ class LiveTensorBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output that shares an input's storage (a view, an in-place op) allocates nothing
-        inputs = {
-            id(st)
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-            for st in get_untyped_storages(t)
-        }
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                for storage in get_untyped_storages(tensor):
-                    if id(storage) not in inputs:
-                        self.add(storage)
+            if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in inputs:
+                self.add(tensor.untyped_storage())
         return out
 
     def add(self, storage: torch.UntypedStorage) -> None:

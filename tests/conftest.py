@@ -24,6 +24,12 @@ import functools
 import importlib.util
 import os
 
+# Under pytest-xdist (the README's `pytest -n 2`) each worker, and each command a test starts, gets its
+# share of the cores instead of all of them: set before torch loads, which reads it once
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
 import pytest
 
 EGL_PACKAGES = "libegl1 libopengl0 libegl-mesa0 libgl1-mesa-dri"

@@ -34,6 +34,7 @@ def test_the_sections_run_on_the_tiny_replicas(tmp_path):
         batch=1,
         pool=4,
         pool_prompts=2,
+        pool_steps=2,
         rollouts=4,
         vllm=False,
         workdir=str(tmp_path / "models"),

@@ -118,22 +118,27 @@ def test_dry_run_mistakes_are_one_line_errors(tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
-    """FLUX.1-dev at full size (no weights: `mmrl replica flux_dev full=true`) with LoRA, in seconds."""
+def full_size_flux(tmp_path) -> list[str]:
+    """FLUX.1-dev and PickScore at full size without weights (`mmrl replica NAME full=true`), as the
+    recipe's overrides."""
     flux, clip = tmp_path / "flux", tmp_path / "pickscore"
     assert main(["replica", "flux_dev", "full=true", f"output_dir={flux}"]) == 0
     assert main(["replica", "pickscore", "full=true", f"output_dir={clip}"]) == 0
     assert not list(flux.rglob("*.safetensors"))
-    capsys.readouterr()
-    overrides = [
+    return [
         f"model.path={flux}",
         f"reward.options.model_path={clip}",
         f"eval.gold_reward.options.model_path={clip}",
     ]
+
+
+def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
+    """FLUX.1-dev at full size with LoRA, in seconds."""
+    overrides = full_size_flux(tmp_path)
+    capsys.readouterr()
     config = load_config("diffusion/flux_dev_branchgrpo_lora", overrides)
     trainer_class = TRAINERS.get(config.trainer)
-    checkpointed = trainer_class.memory_plan(config, "flux", 8)
-    plan = checkpointed.as_dict()
+    plan = trainer_class.memory_plan(config, "flux", 8).as_dict()
     # transformer 11.9B, T5-XXL 4.76B, CLIP-L 0.12B, VAE 0.08B
     assert 16.8e9 < plan["parameters"] < 17.0e9
     assert 0 < plan["trainable_parameters"] < 0.01 * plan["parameters"]  # a LoRA adapter
@@ -145,14 +150,25 @@ def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
     # AdamW's two moments, and a step count per tensor
     assert 2 * sizes["gradients"] < sizes["optimizer_states"] < 2 * sizes["gradients"] + 10_000
     assert sizes["peak"] > sizes["weights"] + sizes["activations_and_gradients"] - 1
-    # the recipe recomputes blocks in the backward pass; keeping their activations costs far more
-    kept = trainer_class.memory_plan(
-        load_config("diffusion/flux_dev_branchgrpo_lora", [*overrides, "model.gradient_checkpointing=false"]),
-        "flux",
-        8,
-    )
-    update = next(name for name in kept.phases if name.startswith("update"))
-    assert checkpointed.phases[update].transient * 5 < kept.phases[update].transient
+
+
+@pytest.mark.slow
+def test_at_full_size_gradient_checkpointing_cuts_the_update_s_activations_fivefold(tmp_path):
+    """The recipe recomputes blocks in the backward pass; keeping their activations costs far more.
+    (The same cut on a replica, with the same result: the next test.)"""
+    overrides = full_size_flux(tmp_path)
+    plans = {
+        flag: TRAINERS.get("branch_grpo").memory_plan(
+            load_config(
+                "diffusion/flux_dev_branchgrpo_lora", [*overrides, f"model.gradient_checkpointing={flag}"]
+            ),
+            "flux",
+            8,
+        )
+        for flag in ("true", "false")
+    }
+    update = next(name for name in plans["true"].phases if name.startswith("update"))
+    assert plans["true"].phases[update].transient * 5 < plans["false"].phases[update].transient
 
 
 def test_gradient_checkpointing_cuts_the_update_s_activations_and_not_its_result(replicas, tmp_path):
