@@ -1,4 +1,23 @@
-"""Entry point `mmrl.plugins`: importing this registers diffusion_rl's trainers, rewards, benches and
-evaluator."""
+"""Entry point `mmrl.plugins`: declares diffusion_rl's trainers, rewards, replicas, bench and evaluator.
+Each module is imported when one of its entries is first used (`Registry.provide`), so a command that
+runs no diffusion code does not load diffusers; tests/test_registry.py checks that every declared entry
+is what its module registers."""
 
-from diffusion_rl import alignment, bench, evaluate, nft_trainer, pretrain, replicas, rewards, trainer  # noqa: F401
+from mmrl.registry import BENCHES, EVALUATORS, REPLICAS, REWARDS, TRAINERS
+
+TRAINERS.provide("diffusion_rl.trainer", "branch_grpo")
+TRAINERS.provide("diffusion_rl.nft_trainer", "diffusion_nft")
+TRAINERS.provide("diffusion_rl.pretrain", "diffusion_pretrain")
+REWARDS.provide(
+    "diffusion_rl.rewards",
+    "aesthetic",
+    "clip_score",
+    "http_reward",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "pickscore",
+)
+REWARDS.provide("diffusion_rl.alignment", "geneval_mini", "shapes_strict")
+REPLICAS.provide("diffusion_rl.replicas", "flux_dev", "pickscore", "sd35m")
+BENCHES.provide("diffusion_rl.bench", "diffusion")
+EVALUATORS.provide("diffusion_rl.evaluate", "diffusion")

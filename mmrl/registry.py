@@ -7,6 +7,7 @@ Every pluggable piece of mmrl is looked up by name from a config, so each kind g
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -57,7 +58,31 @@ class Registry(Generic[T]):
         self._entries: dict[str, T] = {}
         self._entry_kinds: dict[str, str] = {}
         self._tags: dict[str, dict[str, str]] = {}
+        self._providers: dict[str, str] = {}  # name -> the module that registers it (`provide`)
         ALL_REGISTRIES[kind] = self
+
+    def provide(self, module: str, *names: str) -> None:
+        """Declare that importing `module` registers `names`: they are listed and accepted at once, and
+        the module is imported when one of them is first used. A plugin's register module declares its
+        entries so, and a command imports only the plugin code it runs (not every model library)."""
+        for name in names:
+            if name in self._entries or name in self._providers:
+                raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
+            self._providers[name] = module
+
+    def _load(self, name: str) -> None:
+        """Import the module that provides `name`, if it is declared and not yet registered."""
+        module = self._providers.get(name)
+        if module is None or name in self._entries:
+            return
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise UnknownNameError(
+                f"{self.kind} {name!r} comes from {module}, which cannot be imported here: {err}"
+            ) from err
+        if name not in self._entries:
+            raise RuntimeError(f"{module} is declared to register {self.kind} {name!r} but did not")
 
     def register(self, name: str, kind: str | None = None, **tags: str) -> Callable[[T], T]:
         """Decorator adding an entry of `kind` (required, and checked against the entry's signature,
@@ -73,6 +98,9 @@ class Registry(Generic[T]):
         def add(obj: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
+            declared, module = self._providers.get(name), getattr(obj, "__module__", None)
+            if declared not in (None, module):
+                raise ValueError(f"{self.kind} {name!r} is declared to come from {declared}, not {module}")
             if kind is not None:
                 _check_signature(self.kind, name, obj, self.kinds[kind])
                 self._entry_kinds[name] = kind
@@ -84,23 +112,29 @@ class Registry(Generic[T]):
 
     def tag(self, name: str, key: str) -> str | None:
         """The entry's tag `key`, or None when it has none."""
+        self._load(name)
         return self._tags.get(name, {}).get(key)
 
     def kind_of(self, name: str) -> EntryKind | None:
         """The declared kind of entry `name` (None in a registry without kinds)."""
+        if not self.kinds:
+            return None
+        self._load(name)
         kind = self._entry_kinds.get(name)
         return self.kinds[kind] if kind is not None else None
 
     def has_kind(self, name: str, kind: str) -> bool:
         """Whether entry `name` was registered as `kind` (e.g. a tree advantage scores every node of a
         tree, a group one only the leaves of flat groups)."""
+        self._load(name)
         return self._entry_kinds.get(name) == kind
 
     def names_of_kind(self, kinds: tuple[str, ...]) -> list[str]:
         """Entries of any of `kinds`."""
-        return [n for n in self.names() if self._entry_kinds.get(n) in kinds]
+        return [n for n in self.names() if any(self.has_kind(n, kind) for kind in kinds)]
 
     def get(self, name: str) -> T:
+        self._load(name)
         if name not in self._entries:
             raise UnknownNameError(self.unknown_message(name))
         return self._entries[name]
@@ -112,16 +146,18 @@ class Registry(Generic[T]):
         return f"unknown {self.kind} {name!r}: choose one of {', '.join(names)}{did_you_mean}"
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """Every entry, registered or declared by a plugin (`provide`)."""
+        return sorted({*self._entries, *self._providers})
 
     def items(self) -> Iterator[tuple[str, T]]:
-        return iter(sorted(self._entries.items()))
+        """Every entry with its object (importing the modules that provide them)."""
+        return iter([(name, self.get(name)) for name in self.names()])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._providers
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.names())
 
 
 def _check_signature(registry: str, name: str, obj: Any, kind: EntryKind) -> None:

@@ -1,6 +1,12 @@
 """Registry kinds: an entry declares what it is called with, registration checks its signature, and a
 config option that accepts only some kinds refuses the others in one line naming those it accepts."""
 
+import importlib
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from mmrl import registry
@@ -56,6 +62,66 @@ def test_a_kind_in_a_registry_without_kinds_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="the plain registry has no kinds; drop kind="):
         plain.register("x", kind="group")
     assert "x" not in plain
+
+
+def test_a_declared_entry_is_listed_at_once_and_its_module_imported_on_first_use(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
+    things = Registry("thing", "test entries")
+    (tmp_path / "lazy_things.py").write_text(
+        textwrap.dedent(
+            """
+            import test_registry_things as holder
+
+            @holder.things.register("wide")
+            def wide():
+                return "wide"
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    holder = type(sys)("test_registry_things")
+    holder.things = things
+    monkeypatch.setitem(sys.modules, "test_registry_things", holder)
+    things.provide("lazy_things", "wide")
+    things.provide("missing_module_of_things", "gone")
+    assert things.names() == ["gone", "wide"] and "wide" in things and "lazy_things" not in sys.modules
+    assert things.get("wide")() == "wide" and "lazy_things" in sys.modules
+    with pytest.raises(UnknownNameError, match="'gone' comes from missing_module_of_things, which cannot"):
+        things.get("gone")
+    with pytest.raises(ValueError, match="already has an entry named 'wide'"):
+        things.provide("elsewhere", "wide")
+    monkeypatch.delitem(sys.modules, "lazy_things")
+
+
+def test_every_declared_plugin_entry_is_what_its_module_registers():
+    """The plugins' register modules name each entry and the module that registers it: each declared
+    module registers its names, and every entry the plugin packages register is declared (an undeclared
+    one would stay unknown until something else imported its module)."""
+    for reg in registry.ALL_REGISTRIES.values():
+        for name in reg.names():
+            reg.get(name)  # imports the declared module, which must register the name
+    for package in ("diffusion_rl", "vlm_rl", "vla_rl", "mmrl.examples"):
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an optional extra's module (LeRobot's policy): it registers nothing
+                continue
+    plugin_modules = ("diffusion_rl.", "vlm_rl.", "vla_rl.", "mmrl.examples.")
+    for kind, reg in registry.ALL_REGISTRIES.items():
+        for name, entry in reg._entries.items():
+            if entry.__module__.startswith(plugin_modules):
+                assert reg._providers.get(name) == entry.__module__, f"{kind} {name!r} is not declared"
+
+
+def test_a_command_imports_only_the_plugin_code_it_runs():
+    """Listing the registries imports no model library: `mmrl --help` and a robot run start fast."""
+    code = (
+        "import sys; from mmrl.cli import load_plugins; load_plugins(); "
+        "from mmrl.registry import TRAINERS; TRAINERS.get('vla_habc'); "
+        "print(sorted(m for m in ('diffusers', 'transformers', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_an_unknown_entry_names_the_closest():

@@ -1,3 +1,9 @@
-"""Entry point `mmrl.plugins`: importing this registers vla_rl's trainers."""
+"""Entry point `mmrl.plugins`: declares vla_rl's trainers, bench and evaluator; each module is imported
+when one of its entries is first used (`Registry.provide`)."""
 
-from vla_rl import bench, evaluate, pretrain, trainer  # noqa: F401
+from mmrl.registry import BENCHES, EVALUATORS, TRAINERS
+
+TRAINERS.provide("vla_rl.trainer", "vla_habc")
+TRAINERS.provide("vla_rl.pretrain", "vla_bc")
+BENCHES.provide("vla_rl.bench", "vla")
+EVALUATORS.provide("vla_rl.evaluate", "vla")

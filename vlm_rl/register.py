@@ -1,4 +1,13 @@
-"""Entry point `mmrl.plugins`: importing this registers vlm_rl's trainers, rewards, speed bench
-(`mmrl bench vlm`) and benchmark evaluator (`mmrl eval vlm`)."""
+"""Entry point `mmrl.plugins`: declares vlm_rl's trainers, reward, replica, speed bench (`mmrl bench
+vlm`) and benchmark evaluator (`mmrl eval vlm`); each module is imported when one of its entries is
+first used (`Registry.provide`)."""
 
-from vlm_rl import eval_benchmarks, replicas, rewards, sft, speed_bench, trainer, vision  # noqa: F401
+from mmrl.registry import BENCHES, EVALUATORS, REPLICAS, REWARDS, TRAINERS
+
+TRAINERS.provide("vlm_rl.trainer", "tool_grpo")
+TRAINERS.provide("vlm_rl.sft", "vlm_sft")
+TRAINERS.provide("vlm_rl.vision", "vlm_vision")
+REWARDS.provide("vlm_rl.rewards", "adaptive_tool")
+REPLICAS.provide("vlm_rl.replicas", "qwen25vl_3b")
+BENCHES.provide("vlm_rl.speed_bench", "vlm")
+EVALUATORS.provide("vlm_rl.eval_benchmarks", "vlm")
