@@ -66,7 +66,9 @@ class Registry(Generic[T]):
         the module is imported when one of them is first used. A plugin's register module declares its
         entries so, and a command imports only the plugin code it runs (not every model library)."""
         for name in names:
-            if name in self._entries or name in self._providers:
+            # the module may have been imported (and registered the name) already
+            registered_by = getattr(self._entries.get(name), "__module__", None)
+            if name in self._providers or (name in self._entries and registered_by != module):
                 raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
             self._providers[name] = module
 

@@ -44,6 +44,7 @@ def fake_benches(monkeypatch):
     CALLS.clear()
     entries = {"all": bench_all, "broken": broken, "fast": fast, "shaped": shaped}
     monkeypatch.setattr(BENCHES, "_entries", entries)
+    monkeypatch.setattr(BENCHES, "_providers", {})
     monkeypatch.setattr("mmrl.cli.load_plugins", lambda: None)
     return entries
 
@@ -142,6 +143,7 @@ def test_real_small_run(monkeypatch, tmp_path, rendering_error):
         entries["vla"] = bench_vla
         options["vla"] = {"steps": 3, "num_envs": 2, "repeats": 1, "image_size": 32}
     monkeypatch.setattr(BENCHES, "_entries", entries)
+    monkeypatch.setattr(BENCHES, "_providers", {})
     table = bench_all(output=str(tmp_path / "all.json"), **options)
     assert {row["bench"] for row in table} == set(options)
     assert sum(row["bench"] == "core" for row in table) == 5  # the noise rows; advantage rows have no ratio

@@ -90,6 +90,10 @@ def test_a_declared_entry_is_listed_at_once_and_its_module_imported_on_first_use
         things.get("gone")
     with pytest.raises(ValueError, match="already has an entry named 'wide'"):
         things.provide("elsewhere", "wide")
+    # a module imported before its plugin's declarations (a test importing a trainer's module first)
+    things.register("early")(early := lambda: "early")
+    things.provide(early.__module__, "early")
+    assert things.get("early") is early
     monkeypatch.delitem(sys.modules, "lazy_things")
 
 
