@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from diffusion_rl.models import FlowPipeline
@@ -69,6 +70,7 @@ def test_sample_prediction_becomes_a_velocity():
     torch.testing.assert_close(v[1], (x[1] - x0[1]) / 0.05)  # the divisor is floored near sigma = 0
 
 
+@pytest.mark.slow  # two processes, each building the pipeline
 def test_tokenizer_is_the_same_in_every_process():
     import subprocess
     import sys

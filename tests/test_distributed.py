@@ -103,6 +103,7 @@ def test_two_process_ddp_run(tmp_path, capsys):
     ]
 
 
+@pytest.mark.slow  # the second two-process run; test_two_process_ddp_run is the default one
 def test_two_process_vlm_tree_run_scores_shared_prefixes_under_ddp(tmp_path):
     """vlm/tool_grpo_tree calls the DDP-wrapped model twice before each backward (shared branches,
     then the rows on their cache): two gloo processes train it."""

@@ -54,7 +54,12 @@ def run_config(recipe, replicas, tmp_path, *extra):
     return load_config(recipe, [*overrides, f"output_dir={tmp_path / 'run'}", *sizes, *extra])
 
 
-@pytest.mark.parametrize("recipe", sorted(RUNS))
+SLOW_RUNS = ("diffusion/sol_rl_flux",)  # the FLUX replica's plan is checked by flux_dev_branchgrpo
+
+
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=pytest.mark.slow) if r in SLOW_RUNS else r for r in sorted(RUNS)]
+)
 def test_the_plan_is_within_a_fifth_of_what_a_cpu_run_allocates(replicas, tmp_path, recipe):
     config = run_config(recipe, replicas, tmp_path)
     trainer_class = TRAINERS.get(config.trainer)

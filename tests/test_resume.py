@@ -79,6 +79,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     assert rows_a == rows_b
 
 
+@pytest.mark.slow  # three runs; corrupt checkpoints in one process: tests/test_reliability.py
 @pytest.mark.parametrize("damage", ["truncate"])
 def test_resume_skips_corrupt_newest_checkpoint(tmp_path, damage):
     run_dir, straight = tmp_path / "run", tmp_path / "straight"
