@@ -205,9 +205,8 @@ class MemoryPlan:
     gradients: int  # bytes of the trained parameters' gradients (part of the update's transient peak)
     other_weights: dict[str, int]  # bytes of weights outside the trained module, by name
     phases: dict[str, PhasePeak]  # each phase's peak, the trained module's weights included
-    held: dict[str, int] = field(
-        default_factory=dict
-    )  # other bytes held throughout: buffers, data, simulators
+    # other bytes held throughout: buffers, data, simulators
+    held: dict[str, int] = field(default_factory=dict)
     work: dict[str, str] = field(default_factory=dict)  # per iteration
     batch: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)

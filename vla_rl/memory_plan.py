@@ -2,8 +2,9 @@
 
 The policy is small next to what a robot run keeps in host memory: every stored transition holds a
 camera frame, and the demonstrations are decoded into tensors once. So the plan loads the policy from
-`model.path` (it is small: no meta device needed), makes one environment of the task to read its
-spaces, instruction and time limit, and measures each phase on real tensors of the config's sizes
+`model.path` (it is small: no meta device needed), makes one environment of the task without
+rendering to read its spaces, instruction and time limit (and to run the expert when the
+demonstrations' length must be estimated), and measures each phase on real tensors of the config's sizes
 with `LiveTensorBytes`: an actor update (`train.batch_size` action chunks, backward, optimizer step),
 a critic update (`critic.batch_size` states per head), a rollout step (`rollout.num_envs`
 observations) and an evaluation step (`eval.num_envs`). Beside the phases it counts, from the config
@@ -42,55 +43,39 @@ FLAT_EXTRA_BYTES = 64
 EXPERT_PROBE_EPISODES = 4  # expert episodes run to estimate the demonstrations' length
 
 
-def task_facts(task: str, image_size: int, max_episode_steps: int) -> dict[str, Any]:
-    """State and action sizes, instruction and time limit of `task`, from one environment."""
+def task_env(task: str, max_episode_steps: int) -> Any:
+    """One environment of `task` with the run's time limit, without rendering: its spaces, instruction
+    and limit are the run's, and the expert probe steps it."""
     import sim
-
-    kwargs: dict[str, Any] = {"obs_mode": "state+rgb", "image_size": image_size}
-    if max_episode_steps:
-        kwargs["max_episode_steps"] = max_episode_steps
-    env = sim.make(task, **kwargs)
-    try:
-        return {
-            "state_dim": env.observation_space["state"].shape[0],
-            "action_dim": env.action_space.shape[0],
-            "instruction": env.get_wrapper_attr("instruction"),
-            "max_steps": env.spec.max_episode_steps if env.spec is not None else None,
-        }
-    finally:
-        env.close()
-
-
-def expert_episode_steps(task: str, max_episode_steps: int, episodes: int = EXPERT_PROBE_EPISODES) -> float:
-    """The scripted expert's mean episode length on reset seeds 0 .. episodes-1, without rendering."""
-    import sim
-    from sim.experts import expert_for
 
     kwargs: dict[str, Any] = {"obs_mode": "state"}
     if max_episode_steps:
         kwargs["max_episode_steps"] = max_episode_steps
-    env, expert = sim.make(task, **kwargs), expert_for(task)
-    steps = 0
-    try:
-        for seed in range(episodes):
-            env.reset(seed=seed)
-            done = False
-            while not done:
-                _, _, terminated, truncated, _ = env.step(expert.act(env))
-                done, steps = terminated or truncated, steps + 1
-    finally:
-        env.close()
+    return sim.make(task, **kwargs)
+
+
+def expert_episode_steps(env: Any, task: str, episodes: int = EXPERT_PROBE_EPISODES) -> float:
+    """The scripted expert's mean episode length on reset seeds 0 .. episodes-1."""
+    from sim.experts import expert_for
+
+    expert, steps = expert_for(task), 0
+    for seed in range(episodes):
+        env.reset(seed=seed)
+        done = False
+        while not done:
+            _, _, terminated, truncated, _ = env.step(expert.act(env))
+            done, steps = terminated or truncated, steps + 1
     return steps / episodes
 
 
-def demo_frames(config: VLAHABCConfig) -> tuple[int, str]:
+def demo_frames(config: VLAHABCConfig, env: Any) -> tuple[int, str]:
     """How many demonstration frames the run decodes, and how that was found."""
     t = config.train
     if t.demos:
         info = load_info(shipped_path(t.demos))
         return int(info["total_frames"]), f"{info['total_frames']:,d} frames in train.demos"
     if t.demo_episodes:
-        length = expert_episode_steps(config.rollout.task, config.rollout.max_episode_steps)
+        length = expert_episode_steps(env, config.rollout.task)
         return round(t.demo_episodes * length), (
             f"about {t.demo_episodes} episodes (train.demo_episodes) x {length:.0f} steps, the expert's "
             f"mean on {EXPERT_PROBE_EPISODES} reset seeds"
@@ -105,7 +90,17 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
     except (FileNotFoundError, ConfigError) as err:
         raise ConfigError(f"config error: model.path = {config.model.path!r}: {err}") from None
     size, horizon = policy.config.image_size, policy.config.horizon
-    task = task_facts(r.task, size, r.max_episode_steps)
+    env = task_env(r.task, r.max_episode_steps)
+    try:
+        task = {
+            "state_dim": env.observation_space["state"].shape[0],
+            "action_dim": env.action_space.shape[0],
+            "instruction": env.get_wrapper_attr("instruction"),
+            "max_steps": env.spec.max_episode_steps if env.spec is not None else None,
+        }
+        frames, frames_source = demo_frames(config, env)
+    finally:
+        env.close()
     policy.add_words(instruction_words(task["instruction"]))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
     critics = Critics(task["state_dim"], c.hidden)
@@ -166,7 +161,6 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
     phases["update on the buffer's flat rows"] = PhasePeak(weights, states, update.transient + flat)
     if config.checkpoint_every:
         phases["checkpoint (a copy of the buffer)"] = PhasePeak(weights, states, buffer)
-    frames, frames_source = demo_frames(config)
     # per decoded frame: image, proprio and state, tokens, the action chunk and its mask
     frame_bytes = (
         3 * size * size
