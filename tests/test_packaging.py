@@ -72,12 +72,15 @@ def test_renders():
 """
 
 
+def copy_conftest(folder: Path, text: str) -> None:
+    """`text` as folder/conftest.py, with the module it imports first (tests/fixed_isa.py) beside it."""
+    (folder / "conftest.py").write_text(text)
+    (folder / "fixed_isa.py").write_text((ROOT / "tests" / "fixed_isa.py").read_text())
+
+
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_ci_fails_a_skip_for_missing_rendering(ci, tmp_path):
-    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tmp_path / "fixed_isa.py").write_text(
-        (ROOT / "tests" / "fixed_isa.py").read_text()
-    )  # conftest's first import
+    copy_conftest(tmp_path, (ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "test_skips.py").write_text(CI_SKIPS)
     (tmp_path / "test_module_skip.py").write_text(
         'import pytest\n\npytest.skip("the robot extra (mujoco, gymnasium) is not installed", '
@@ -124,10 +127,7 @@ def test_without_the_robot_extra_its_tests_skip_and_ci_fails_them(ci, tmp_path):
     """conftest's markers and robot modules on a machine without mujoco (simulated)."""
     conftest = (ROOT / "tests" / "conftest.py").read_text()
     assert "\nHAS_ROBOT = all(" in conftest
-    (tmp_path / "conftest.py").write_text(
-        conftest.replace("\nHAS_ROBOT = all(", "\nHAS_ROBOT = False and all(")
-    )
-    (tmp_path / "fixed_isa.py").write_text((ROOT / "tests" / "fixed_isa.py").read_text())
+    copy_conftest(tmp_path, conftest.replace("\nHAS_ROBOT = all(", "\nHAS_ROBOT = False and all("))
     (tmp_path / "test_marked.py").write_text(MARKED)
     (tmp_path / "test_sim_envs.py").write_text("import no_such_robot_stack\n\n\ndef test_x():\n    pass\n")
     env = {**os.environ, "CI": ci}
