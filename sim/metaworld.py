@@ -11,6 +11,12 @@ policy sees the camera frame (turned upright), the hand position, the gripper op
 (`proprio`); the object poses are privileged (experts, critics). The instruction is the task's name
 in words ("pick place wall"). Episodes end on success or after `MAX_EPISODE_STEPS` steps (Meta-World's
 own limit is 500; its experts succeed within about 50-220 steps on the tasks tried).
+
+Frames are drawn from a copy of the model whose meshes are simplified to about a pixel's footprint
+(`sim.render.coarse_meshes`, a grid of `MESH_CELL_96` metres at 96 px, finer for larger frames): the
+Sawyer's meshes hold about 67k faces, which software rendering pays for in every frame, and at 96 px
+the simplified frame differs from the full one in well under 1% of its pixels. Physics uses the
+original model; `full_meshes=True` renders it as it is.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 from sim import METAWORLD_PREFIX as PREFIX
 from sim.adapters import ExternalTask
 from sim.experts import Expert
-from sim.render import CameraRenderer
+from sim.render import CameraRenderer, coarse_meshes
 
 INSTALL = "pip install --no-deps metaworld==3.1.1 scipy (it pins mujoco 3.3.0 and runs on ours)"
 MAX_EPISODE_STEPS = 200
@@ -34,6 +40,7 @@ CAMERA = "corner2"  # sees the table, the arm and the objects of every task
 OBSERVATION = "observation"  # Meta-World's observation is one 39-vector; these parts of it:
 HAND, OBJECTS, GOAL = slice(0, 4), slice(4, 36), slice(36, 39)  # hand + gripper; 2 object poses, 2 frames
 SUITES = ("MT10", "MT50")  # multi-task sets: one task per episode, drawn from the reset's seed
+MESH_CELL_96 = 0.01  # m: the mesh clustering grid for 96 px frames (about a pixel at the table)
 
 
 def installed() -> bool:
@@ -84,7 +91,7 @@ class MetaWorldEnv(gym.Env):
     """One Meta-World task, or a suite of them (`tasks` a list: each reset picks one from its seed and
     the observation gains the task's one-hot), with a fresh placement per `reset(seed=...)`, the goal in
     the observation, `info["is_success"]` and the episode's `info["instruction"]`; frames of `width` x
-    `height` from `camera_name`."""
+    `height` from `camera_name`, drawn with simplified meshes unless `full_meshes`."""
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 80}
 
@@ -95,6 +102,7 @@ class MetaWorldEnv(gym.Env):
         width: int = 96,
         height: int = 96,
         camera_name: str = CAMERA,
+        full_meshes: bool = False,
     ) -> None:
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"render_mode={render_mode!r}: Meta-World tasks render 'rgb_array' or nothing")
@@ -102,6 +110,7 @@ class MetaWorldEnv(gym.Env):
         self.sawyers = [_sawyer(name) for name in self.tasks]
         self.active = 0
         self.render_mode, self.camera, self.width, self.height = render_mode, camera_name, width, height
+        self.full_meshes = full_meshes
         # ours, not Meta-World's: headless EGL, closed at exit
         self._renderers: dict[int, CameraRenderer] = {}
         # in a suite the observation ends with the task's one-hot: made once, not at every step
@@ -150,9 +159,10 @@ class MetaWorldEnv(gym.Env):
         if self.render_mode != "rgb_array":
             return None
         if self.active not in self._renderers:
-            self._renderers[self.active] = CameraRenderer(
-                self.sawyer.model, self.camera, self.height, self.width
-            )
+            model = self.sawyer.model
+            if not self.full_meshes:
+                model = coarse_meshes(model, MESH_CELL_96 * 96 / max(self.width, self.height))
+            self._renderers[self.active] = CameraRenderer(model, self.camera, self.height, self.width)
         # Meta-World's cameras are mounted upside down: flip rows, as its own renderer does
         return np.ascontiguousarray(self._renderers[self.active].render(self.sawyer.data)[::-1])
 

@@ -9,6 +9,7 @@ before EGL goes away.
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import sys
 import weakref
@@ -86,3 +87,35 @@ def headless_rendering_error() -> str | None:
     finally:
         renderer.close()
     return None
+
+
+def coarse_meshes(model: mujoco.MjModel, cell: float) -> mujoco.MjModel:
+    """A copy of `model` for rendering only, each mesh simplified by vertex clustering on a grid of
+    `cell` metres: every vertex is replaced by the first vertex of its cell, and the faces that
+    collapse or repeat are dropped. Software rendering (llvmpipe) costs about the mesh faces drawn,
+    and a camera of a few dozen pixels cannot show detail below a pixel's footprint; so a cell of
+    about that footprint gives nearly the same frame for a fraction of the faces. The copy keeps the
+    original's sizes and ids, so it renders the original's MjData; physics never sees it.
+
+    Only face lists change (the kept faces index original vertices, normals and texture
+    coordinates); unused vertices stay in place."""
+    if cell <= 0:
+        raise ValueError(f"cell = {cell}: the clustering grid needs a positive size in metres")
+    coarse = copy.deepcopy(model)
+    for mesh in range(coarse.nmesh):
+        v0, nv = coarse.mesh_vertadr[mesh], coarse.mesh_vertnum[mesh]
+        f0, nf = coarse.mesh_faceadr[mesh], coarse.mesh_facenum[mesh]
+        cells = np.floor(coarse.mesh_vert[v0 : v0 + nv] / cell).astype(np.int64)
+        _, first, which = np.unique(cells, axis=0, return_index=True, return_inverse=True)
+        faces = first[which.ravel()][coarse.mesh_face[f0 : f0 + nf]]  # corners moved to their cell's vertex
+        a, b, c = faces.T
+        kept = np.flatnonzero((a != b) & (b != c) & (a != c))
+        _, unique = np.unique(np.sort(faces[kept], axis=1), axis=0, return_index=True)
+        kept = kept[np.sort(unique)]  # one face per corner triple, in the original order
+        n = len(kept)
+        coarse.mesh_face[f0 : f0 + n] = faces[kept]
+        coarse.mesh_facenormal[f0 : f0 + n] = coarse.mesh_facenormal[f0 + kept]
+        if coarse.mesh_texcoordnum[mesh]:
+            coarse.mesh_facetexcoord[f0 : f0 + n] = coarse.mesh_facetexcoord[f0 + kept]
+        coarse.mesh_facenum[mesh] = n
+    return coarse

@@ -51,6 +51,55 @@ def test_camera_frames_show_the_scene_upright():
     env.close()
 
 
+@pytest.mark.needs_rendering
+@pytest.mark.parametrize("size", [96, 224])
+def test_frames_from_the_simplified_meshes_match_the_full_ones(size):
+    """The renderer draws a copy of the model with its meshes clustered to about a pixel: far fewer
+    faces, nearly the same frame, and the physics model untouched."""
+    frames, faces = [], []
+    for full in (True, False):
+        env = sim.make(TASK, obs_mode="state+rgb", image_size=size, full_meshes=full)
+        env.reset(seed=3)
+        for _ in range(10):
+            obs, *_ = env.step(np.array([0.5, -0.3, 0.2, 1.0], np.float32))
+        frames.append(obs["image"].astype(int))
+        sawyer = env.unwrapped.sawyer
+        renderer_model = env.unwrapped._renderers[0]._renderer.model
+        faces.append(int(renderer_model.mesh_facenum.sum()))
+        assert (renderer_model is sawyer.model) == full  # physics keeps the original either way
+        env.close()
+    assert faces[1] < faces[0] / (3 if size == 96 else 2)
+    difference = np.abs(frames[0] - frames[1]).max(-1)
+    assert difference.mean() < 1.0 and (difference > 16).mean() < 0.01
+
+
+def test_mesh_clustering_keeps_whole_faces_of_original_vertices():
+    import mujoco
+
+    from sim.render import coarse_meshes
+
+    # a unit box mesh split into many faces: clustering on a coarse grid leaves fewer, valid faces
+    grid = np.linspace(0, 1, 6)
+    vert = np.array([[x, y, 0.0] for x in grid for y in grid] + [[0.5, 0.5, 1.0]])
+    apex = len(vert) - 1
+    face = [[i * 6 + j, i * 6 + j + 1, apex] for i in range(6) for j in range(5)]
+    xml = f"""<mujoco><asset><mesh name="m" vertex="{" ".join(map(str, vert.ravel()))}"
+      face="{" ".join(map(str, np.ravel(face)))}"/></asset>
+      <worldbody><geom type="mesh" mesh="m" contype="0" conaffinity="0"/></worldbody></mujoco>"""
+    model = mujoco.MjModel.from_xml_string(xml)
+    original = model.mesh_face.copy(), model.mesh_facenum.copy()
+    coarse = coarse_meshes(model, 0.45)
+    kept = coarse.mesh_face[: coarse.mesh_facenum[0]]
+    assert 0 < len(kept) < model.mesh_facenum[0] == coarse.mesh_face.shape[0]
+    assert all(len(set(f)) == 3 for f in kept.tolist())  # no collapsed face
+    assert len({tuple(sorted(f)) for f in kept.tolist()}) == len(kept)  # no repeated face
+    assert kept.max() < model.mesh_vertnum[0]
+    np.testing.assert_array_equal(model.mesh_face, original[0])  # the original is untouched
+    np.testing.assert_array_equal(model.mesh_facenum, original[1])
+    with pytest.raises(ValueError, match="positive size"):
+        coarse_meshes(model, 0.0)
+
+
 def test_the_scripted_policy_solves_scenes_and_takes_over_from_a_stray_state():
     env = sim.make(TASK)
     expert = expert_for(TASK)
@@ -140,12 +189,14 @@ def test_habc_steps_end_to_end(tmp_path):
 def test_bench_rows_put_the_policy_in_the_loop_beside_raw_stepping(capsys):
     rows = bench_vla(steps=3, num_envs=2, repeats=1, image_size=SIZE, branch_group_size=2, branch_every=1)
     meta = [row for row in rows if row["section"] == "(e)"]
-    assert [row["target"] for row in meta] == [0.5, None]
+    assert [row["target"] for row in meta] == [0.5, None, None]
     assert (
         meta[0]["name"].startswith(TASK)
         and meta[0]["baseline"] == f"{TASK}: rgb {SIZE}px obs, random actions"
     )
     assert meta[1]["baseline"] == f"{TASK}: state obs, random actions"
+    assert meta[2]["name"] == meta[0]["baseline"]
+    assert meta[2]["baseline"] == f"{TASK}: rgb {SIZE}px obs from the full meshes, random actions"
     for row in meta:
         assert row["steps_per_s"] > 0 and row["ratio"] == pytest.approx(
             row["steps_per_s"] / row["baseline_steps_per_s"]

@@ -21,7 +21,9 @@ SyncVectorEnv):
   branched run did. The groups' episodes are cut at `steps` env steps.
 - (e) Meta-World (`metaworld_task`, when Meta-World is installed): the policy in the loop on that task
   (rgb, N envs, a policy built for its proprioception and actions) against raw stepping of the same
-  task with rgb observations (target at least 0.5x, as (a)) and with state observations (no target).
+  task with rgb observations (target at least 0.5x, as (a)) and with state observations (no target);
+  and rgb stepping with the frames drawn from simplified meshes (as the tasks render) against the
+  full meshes (`full_meshes=True`; no target).
 
 Repeats run the variants in turn and keep the median, so load from other processes hits all alike.
 Steps where a vector env auto-resets a finished episode are not counted as steps.
@@ -53,17 +55,17 @@ METAWORLD_TASK = "metaworld/pick-place-v3"
 
 
 def _vector_runner(
-    task: str, num_envs: int, obs_mode: str, image_size: int, policy: VLAPolicy | None
+    task: str, num_envs: int, obs_mode: str, image_size: int, policy: VLAPolicy | None, **make_kwargs: Any
 ) -> tuple[Callable[[int], int], Callable[[], None]]:
     """A function running `n` lockstep steps of a SyncVectorEnv (random actions, or the policy's),
-    returning the env steps taken, and a closer."""
+    returning the env steps taken, and a closer; `make_kwargs` go to the task's constructor."""
     import functools
 
     import gymnasium as gym
 
     import sim
 
-    make = functools.partial(sim.make, task, obs_mode=obs_mode, image_size=image_size)
+    make = functools.partial(sim.make, task, obs_mode=obs_mode, image_size=image_size, **make_kwargs)
     envs = gym.vector.SyncVectorEnv([make] * num_envs)
     action_shape = (num_envs, *envs.single_action_space.shape)
     rng = np.random.default_rng(0)
@@ -166,6 +168,7 @@ def _metaworld_rows(
     made = {
         "raw": _vector_runner(task, num_envs, "state", size, None),
         "rgb": _vector_runner(task, num_envs, "rgb", size, None),
+        "rgb_full": _vector_runner(task, num_envs, "rgb", size, None, full_meshes=True),
         "policy": _vector_runner(task, num_envs, "rgb", size, policy),
     }
     try:
@@ -176,9 +179,11 @@ def _metaworld_rows(
     name = f"{task}: policy in the loop, rgb {size}px, {num_envs} envs"
     rgb = f"{task}: rgb {size}px obs, random actions"
     raw = f"{task}: state obs, random actions"
+    full = f"{task}: rgb {size}px obs from the full meshes, random actions"
     return [
         _row("(e)", name, rates["policy"], rgb, rates["rgb"], POLICY_TARGET),
         _row("(e)", name, rates["policy"], raw, rates["raw"], None),
+        _row("(e)", rgb, rates["rgb"], full, rates["rgb_full"], None),
     ]
 
 
