@@ -53,6 +53,11 @@ class Expert:
         goal); the supervisor's release guard asks. Tasks that carry nothing: never."""
         return False
 
+    def failure(self, states: np.ndarray) -> str | None:
+        """How a failed episode failed, in a few words, from the privileged states it visited (T+1,
+        state_dim), by the task's own phases; None where the task names no failure modes."""
+        return None
+
     def act(self, env: gym.Env) -> np.ndarray:
         """Action for the env's current state, whatever its obs_mode."""
         return self(env.get_wrapper_attr("get_state")())
@@ -111,6 +116,21 @@ class PickPlaceExpert(Expert):
         s = self.parts(state)
         away = np.linalg.norm(s["cube_pos"][:2] - s["goal_pos"][:2]) > PickPlaceEnv.success_dist
         return self.held(s) and bool(away)
+
+    def failure(self, states: np.ndarray) -> str:
+        """Held at the end; held and then lost off the pad; never held, waiting above the cube (with
+        the wrist turned to its faces or not: this expert lowers only once it is); never held."""
+        visited = [self.parts(state) for state in states]
+        last = visited[-1]
+        if self.held(last):
+            return "still holding the cube"
+        if any(self.held(s) for s in visited):
+            return "held the cube, lost it off the pad"
+        ee, cube = last["ee_pos"], last["cube_pos"]
+        if np.linalg.norm(ee[:2] - cube[:2]) < 0.02 and ee[2] > cube[2] + 0.04:
+            turn = cube_yaw(last["cube_quat"]) - float(last["ee_yaw"][0])
+            return "waits above the cube, wrist not turned" if abs(turn) > 0.1 else "waits above the cube"
+        return "never held the cube"
 
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
         ee, cube, pad = s["ee_pos"], s["cube_pos"], s["goal_pos"]

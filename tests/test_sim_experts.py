@@ -78,3 +78,44 @@ def test_cube_yaw_folds_to_a_quarter_turn():
 def test_no_expert_for_unknown_task():
     with pytest.raises(ValueError, match="unknown sim task"):
         expert_for("Stack")
+
+
+def test_pick_place_failures_are_named_by_phase():
+    """`failure` reads the phase from the visited states: cut and edited from an expert episode."""
+    env = sim.make("PickPlace")
+    expert = expert_for(env)
+    env.reset(seed=2)
+    states = [env.get_wrapper_attr("get_state")()]
+    for _ in range(100):
+        *_, terminated, truncated, _ = env.step(expert(states[-1]))
+        states.append(env.get_wrapper_attr("get_state")())
+        if terminated or truncated:
+            break
+    states = np.stack(states)
+    held = np.array([expert.held(expert.parts(s)) for s in states])
+    first_held = int(np.argmax(held))
+    assert held.any() and not held[0]
+    parts = expert.layout
+
+    def edited(state, name, value):
+        state = state.copy()
+        state[parts[name]] = value
+        return state
+
+    assert expert.failure(states[:1]) == "never held the cube"
+    assert expert.failure(states[: first_held + 3]) == "still holding the cube"
+    dropped = edited(states[first_held + 2], "gripper", 0.04)  # the fingers opened mid-carry
+    lost = expert.failure(np.vstack([states[: first_held + 2], dropped]))
+    assert lost == "held the cube, lost it off the pad"
+    # above the cube, before lowering: the expert has turned the wrist to the cube's faces by then
+    s = [expert.parts(x) for x in states[:first_held]]
+    above = max(
+        t
+        for t in range(first_held)
+        if s[t]["ee_pos"][2] > s[t]["cube_pos"][2] + 0.04
+        and np.linalg.norm(s[t]["ee_pos"][:2] - s[t]["cube_pos"][:2]) < 0.02
+    )
+    assert expert.failure(states[: above + 1]) == "waits above the cube"
+    turned = edited(states[above], "ee_yaw", s[above]["ee_yaw"] + 0.5)
+    assert expert.failure(np.vstack([states[:above], turned])) == "waits above the cube, wrist not turned"
+    assert expert_for("Reach").failure(states) is None  # tasks without named failure modes

@@ -106,6 +106,29 @@ def test_two_policies_side_by_side_same_seeds_same_results(policies, tmp_path, c
 
 
 @pytest.mark.needs_rendering
+def test_failed_episodes_are_counted_by_how_they_failed(policies, tmp_path, capsys):
+    """PickPlace's expert names failure modes: every failed episode has one, and the counts add up;
+    Reach names none."""
+    results = run(policies[:1], tmp_path / "pp", "task=PickPlace", "episodes=3", "num_envs=3")
+    (entry,) = results["policies"].values()
+    how = entry["per_episode"]["failure"]
+    failed = [not ok for ok in entry["per_episode"]["success"]]
+    assert [h is not None for h in how] == failed and sum(failed) > 0  # an untrained policy fails
+    assert sum(entry["failures"].values()) == sum(failed)
+    assert set(entry["failures"]) <= {
+        "still holding the cube",
+        "held the cube, lost it off the pad",
+        "waits above the cube, wrist not turned",
+        "waits above the cube",
+        "never held the cube",
+    }
+    assert "failures: " in capsys.readouterr().out
+    reach = run(policies[:1], tmp_path / "reach", "episodes=2", "num_envs=2")
+    (entry,) = reach["policies"].values()
+    assert entry["failures"] == {} and entry["per_episode"]["failure"] == [None, None]
+
+
+@pytest.mark.needs_rendering
 def test_sampled_actions_are_repeatable(policies, tmp_path):
     args = ("episodes=2", "num_envs=2", "deterministic=false")
     first = run(policies[:1], tmp_path / "a", *args)["policies"][policies[0]]["per_episode"]

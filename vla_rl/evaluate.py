@@ -12,6 +12,9 @@ step); they are made with obs_mode "rgb", so the policy sees the camera image an
 A policy directory may also be a LeRobot policy (ACT, Diffusion, ...; `vla_rl.lerobot_policy`),
 recognised by the `type` field of its config.json.
 
+Where the task's scripted expert names failure modes (`Expert.failure`: PickPlace's), each failed
+episode is classified from the privileged states it visited, and eval_vla.json counts them per policy.
+
 With ``interventions=true`` the task's scripted expert supervises every episode and takes over when
 the policy strays, by the evaluation rule of `vla_rl.supervisor` (not necessarily the one a trainer
 uses): when the RMS difference between the policy's action and the expert's (over the 5 action entries,
@@ -29,9 +32,10 @@ import json
 import math
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,10 +43,13 @@ from tqdm.auto import tqdm
 
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
-from vla_rl.episodes import PolicyActs, Progress, Recorder, Step, evaluating, run_episodes
+from vla_rl.episodes import Outcome, PolicyActs, Progress, Recorder, Step, evaluating, run_episodes
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
 from vla_rl.supervisor import TakeoverRule
+
+if TYPE_CHECKING:
+    from sim.experts import Expert
 
 VIDEO_FPS = 10  # the sim's control rate
 EXPERT_BORDER = (220, 30, 30)  # GIF frames that follow an expert action get a red border
@@ -75,6 +82,28 @@ class Episodes:
     expert_steps: np.ndarray  # (episodes,) int: actions the expert executed
     videos: dict[int, tuple[list[np.ndarray], list[bool]]] = field(default_factory=dict)
     # episode -> (frames, whether the expert chose the action that led to each frame)
+    failures: dict[int, str] = field(default_factory=dict)  # failed episode -> how, where the task says
+
+
+class FailureModes(Recorder):
+    """How each failed episode failed, named by the task's expert (`Expert.failure`) from the
+    privileged states the episode visited."""
+
+    def __init__(self, expert: Expert) -> None:
+        self.expert = expert
+        self.states: dict[int, list[np.ndarray]] = {}
+        self.failures: dict[int, str] = {}
+
+    def begin(self, k: int, env: Any, obs: Any, info: Any) -> None:
+        self.states[k] = [env.get_wrapper_attr("get_state")()]
+
+    def step(self, k: int, env: Any, step: Step) -> None:
+        self.states[k].append(env.get_wrapper_attr("get_state")())
+
+    def end(self, k: int, outcome: Outcome) -> None:
+        states = np.stack(self.states.pop(k))
+        if not outcome.success and (how := self.expert.failure(states)) is not None:
+            self.failures[k] = how
 
 
 class VideoFrames(Recorder):
@@ -126,12 +155,20 @@ def evaluate_episodes(
     video_size: int = 128,
 ) -> Episodes:
     """Roll out `policy` for `episodes` episodes (reset seeds seed, seed+1, ...), optionally supervised
-    by the scripted expert (`takeover`), recording front-camera frames of the first `videos` episodes.
+    by the scripted expert (`takeover`), recording front-camera frames of the first `videos` episodes
+    and, where the task's expert names failure modes, how each failed episode failed.
 
     Sampling (deterministic=False) draws from a generator seeded with `seed`, so a run is repeatable.
     """
     import sim  # the robot extra: only rollouts need it
     from sim.experts import expert_for
+
+    try:
+        expert = expert_for(task)
+    except TypeError:  # an external task registered without an expert: no failure modes
+        if takeover is not None:  # nor take-overs: the error names how to register one
+            raise
+        expert = None
 
     envs = [
         sim.make(task, obs_mode="rgb", image_size=policy.config.image_size)
@@ -139,6 +176,7 @@ def evaluate_episodes(
     ]
     controller = PolicyActs(policy, deterministic, torch.Generator().manual_seed(seed))
     frames = VideoFrames(videos, video_size)
+    failures = [FailureModes(expert)] if expert is not None else []
     bar = tqdm(total=episodes, desc=f"eval {task}", disable=not progress, dynamic_ncols=True, leave=False)
     try:
         with evaluating(policy):
@@ -146,9 +184,9 @@ def evaluate_episodes(
                 envs,
                 [seed + k for k in range(episodes)],
                 controller,
-                expert=expert_for(task) if takeover is not None else None,
+                expert=expert if takeover is not None else None,
                 takeover=takeover,
-                recorders=[frames, Progress(bar)],
+                recorders=[frames, Progress(bar), *failures],
             )
     finally:
         bar.close()
@@ -162,6 +200,7 @@ def evaluate_episodes(
         interventions=np.array([o.interventions for o in outcomes], dtype=np.int64),
         expert_steps=np.array([o.expert_steps for o in outcomes], dtype=np.int64),
         videos=frames.videos,
+        failures=failures[0].failures if failures else {},
     )
 
 
@@ -276,12 +315,14 @@ def summarise(result: Episodes) -> dict[str, Any]:
         "episodes_with_interventions": int((result.interventions > 0).sum()),
         "expert_steps": int(result.expert_steps.sum()),
         "expert_step_fraction": float(result.expert_steps.sum() / max(1, result.steps.sum())),
+        "failures": dict(Counter(result.failures.values()).most_common()),
         "per_episode": {
             "seed": list(result.seeds),
             "success": result.success.tolist(),
             "steps": result.steps.tolist(),
             "interventions": result.interventions.tolist(),
             "expert_steps": result.expert_steps.tolist(),
+            "failure": [result.failures.get(k) for k in range(n)],
         },
     }
 
@@ -403,6 +444,8 @@ def format_table(results: dict[str, Any]) -> str:
             f"{entry['mean_steps']:>10.1f}{entry['median_steps']:>12.1f}"
             f"{entry['interventions']:>11}{entry['expert_steps']:>14}{paired:>14}"
         )
+        if entry["failures"]:
+            lines.append("      failures: " + ", ".join(f"{how} {n}" for how, n in entry["failures"].items()))
     return "\n".join(lines)
 
 
