@@ -157,7 +157,8 @@ def test_each_real_model_recipe_runs_an_iteration_on_its_replica(replicas, tmp_p
 
 
 VLM_RECIPES = {"vlm/qwen25vl_3b_tool_grpo": "qwen25vl_3b"}
-REAL_MODEL_RECIPES = {*RECIPES, *VLM_RECIPES}
+LEROBOT_RECIPES = {"vla/smolvla_habc"}  # run on its replica in the LeRobot venv: tests/test_vla_lerobot.py
+REAL_MODEL_RECIPES = {*RECIPES, *VLM_RECIPES, *LEROBOT_RECIPES}
 
 
 @pytest.mark.parametrize("recipe", sorted(VLM_RECIPES))

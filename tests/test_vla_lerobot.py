@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmrl.cli import load_plugins, main
-from mmrl.config import ConfigError
+from mmrl.config import ConfigError, load_config
 from vla_rl.evaluate import VLAPoliciesEvalConfig, check_config
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 
@@ -54,51 +54,12 @@ SIZE, PROPRIO, ACTIONS = 32, 9, 5  # Reach with image_size=32: camera, proprioce
 
 
 def tiny_smolvlm(directory):
-    """A tiny SmolVLM backbone as SmolVLA loads it by `vlm_model_name`: config, a word-level tokenizer
-    with SmolVLM's special tokens, image and video processors (no weights: SmolVLA builds them)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        SmolVLMConfig,
-        SmolVLMImageProcessor,
-        SmolVLMProcessor,
-        SmolVLMVideoProcessor,
-    )
-
+    """A tiny SmolVLM backbone for the sim's instruction words (`vla_rl.smolvla_replica`)."""
     from vla_rl.policy import INSTRUCTION_TEMPLATES
+    from vla_rl.smolvla_replica import tiny_smolvlm as build
 
-    special = ["<pad>", "<unk>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>"]
-    special.append("<global-img>")
     words = sorted({w for t in INSTRUCTION_TEMPLATES for w in t.split()} | {"red", "green", "blue"})
-    vocab = {token: i for i, token in enumerate(special + words)}
-    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=word_level,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        bos_token="<|im_start|>",
-        eos_token="<end_of_utterance>",
-        additional_special_tokens=special[2:],
-        extra_special_tokens={
-            "fake_image_token": "<fake_token_around_image>",
-            "image_token": "<image>",
-            "global_image_token": "<global-img>",
-            "end_of_utterance_token": "<end_of_utterance>",
-        },
-    )
-    text = {"model_type": "llama", "vocab_size": len(vocab), "hidden_size": 64, "intermediate_size": 128}
-    text |= {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    vision |= {"image_size": SIZE, "patch_size": 8}
-    SmolVLMConfig(
-        text_config=text, vision_config=vision, scale_factor=2, image_token_id=vocab["<image>"]
-    ).save_pretrained(directory)
-    images = SmolVLMImageProcessor(do_resize=False, do_image_splitting=False, size={"longest_edge": SIZE})
-    SmolVLMProcessor(
-        image_processor=images, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(), image_seq_len=4
-    ).save_pretrained(directory)
-    return directory
+    return build(directory, words, SIZE)
 
 
 def tiny_config(kind: str, directory):
@@ -261,6 +222,29 @@ def test_cli_names_the_recipe_without_lerobot(tmp_path, monkeypatch, capsys):
     assert "is a LeRobot policy" in capsys.readouterr().err
 
 
+def test_fine_tuning_a_lerobot_policy_without_lerobot_names_the_install(tmp_path, monkeypatch):
+    from vla_rl.trainer import VLAHABCTrainer
+
+    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    directory = fake_lerobot_dir(tmp_path)
+    (directory / "model.safetensors").write_bytes(b"")
+    config = load_config("vla/smolvla_habc", [f"model.path={directory}", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"is a LeRobot policy: .*pip install 'mmrl\[lerobot\]'"):
+        VLAHABCTrainer(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_smolvla_replica_without_lerobot_says_so(tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["replica", "smolvla", f"output_dir={tmp_path / 'r'}"]) == 2
+    assert "mmrl replica smolvla needs LeRobot" in capsys.readouterr().err
+    assert main(["replica", "smolvla", f"output_dir={tmp_path / 'r'}", "full=true"]) == 2
+    assert "no full-size replica" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_cli_skips_a_plugin_that_cannot_be_imported(monkeypatch, capsys):
     """A LeRobot venv has an older transformers than vlm_rl needs; `mmrl eval vla` must still run."""
 
@@ -390,3 +374,111 @@ def test_eval_vla_with_takeovers(tmp_path):
     assert set(results["policies"]) == {str(d) for d in dirs}
     assert (tmp_path / "eval" / "eval_vla.json").is_file()
     assert all(entry["interventions"] >= 1 for entry in results["policies"].values())
+
+
+# ----- fine-tuning SmolVLA (vla/smolvla_habc) on its replica ----------------------------------------
+
+TINY_RUN = ["rollout.env_steps=24", "rollout.num_envs=2", "rollout.max_episode_steps=12", "steps=2"]
+TINY_RUN += ["checkpoint_every=1", "progress=false", "eval.episodes=2", "eval.num_envs=2", "eval.videos=0"]
+TINY_RUN += ["train.updates=2", "train.batch_size=8", "critic.updates=3", "critic.batch_size=16"]
+TINY_RUN += ["train.demo_episodes=2"]
+
+
+@pytest.fixture(scope="module")
+def smolvla_replica(tmp_path_factory):
+    """`mmrl replica smolvla`: a tiny SmolVLA for PickPlace with its processors and VLM backbone."""
+    if SMOLVLA_ERROR is not None:
+        pytest.skip(f"SmolVLA is not usable ({SMOLVLA_ERROR})")
+    directory = tmp_path_factory.mktemp("replica") / "smolvla"
+    assert main(["replica", "smolvla", f"output_dir={directory}"]) == 0
+    return directory
+
+
+def smolvla_config(replica, run_dir, *overrides):
+    return load_config(
+        "vla/smolvla_habc", [f"model.path={replica}", f"output_dir={run_dir}", *TINY_RUN, *overrides]
+    )
+
+
+@needs_smolvla
+@pytest.mark.needs_rendering
+@pytest.mark.parametrize("method", ["habc", "dagger"])
+def test_the_smolvla_recipe_fine_tunes_its_replica(smolvla_replica, tmp_path, method):
+    from vla_rl.trainer import VLAHABCTrainer
+
+    VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "run", f"method={method}")).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[-1]["env_steps"] >= 48
+    assert all(r["actor_updates"] == 2 and r["skipped_updates"] == 0 and np.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["interventions_per_episode"] > 0  # the expert supervised the untrained policy
+    evals = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert set(evals) == {"before", "after"}
+    trained = LeRobotPolicy.from_pretrained(tmp_path / "run" / "policy")
+    original = LeRobotPolicy.from_pretrained(smolvla_replica)
+    changed, frozen_kept = 0, 0
+    before = dict(original.named_parameters())
+    for name, param in trained.named_parameters():
+        same = torch.equal(param, before[name])
+        if before[name].requires_grad:
+            changed += not same
+        else:  # SmolVLA trains its action expert only: the VLM stays as it was
+            assert same, name
+            frozen_kept += 1
+    assert changed > 0 and frozen_kept > 0
+
+
+@needs_smolvla
+@pytest.mark.needs_rendering
+def test_a_smolvla_run_resumes_exactly(smolvla_replica, tmp_path):
+    from vla_rl.trainer import VLAHABCTrainer
+
+    VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "straight")).train()
+    VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "resumed", "steps=1")).train()
+    with pytest.warns(UserWarning, match="config changes in: steps"):
+        VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "resumed", "resume=true")).train()
+    straight = LeRobotPolicy.from_pretrained(tmp_path / "straight" / "policy").state_dict()
+    resumed = LeRobotPolicy.from_pretrained(tmp_path / "resumed" / "policy").state_dict()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@needs_smolvla
+@pytest.mark.parametrize("heavier", [1.0, -1.0])
+def test_weighted_flow_matching_pulls_toward_the_heavier_chunk(smolvla_replica, heavier):
+    """Two target chunks (+0.6 and -0.6 everywhere) for the same observation: the one with 20x the
+    weight is where the sampled chunks go. Swapped or ignored weights fail this."""
+    policy = LeRobotPolicy.from_pretrained(smolvla_replica).train()
+    obs = {k: np.repeat(v[:1], 2, axis=0) for k, v in observations(1, 1)[0].items()}
+    tasks = ["put the red cube on the blue pad"] * 2
+    horizon = policy.config.horizon
+    actions = torch.tensor([0.6, -0.6]).view(2, 1, 1).expand(2, horizon, ACTIONS)
+    weight = torch.tensor([1.0, 0.05] if heavier > 0 else [0.05, 1.0]).view(2, 1).expand(2, horizon)
+    mask = torch.ones(2, horizon, dtype=torch.bool)
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        batch = policy.prepare(obs, tasks)
+        loss = policy.chunk_loss(batch, actions, mask, weight, generator)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    policy.eval()
+    sampled = policy.sample_chunks(obs, tasks, torch.Generator().manual_seed(1))
+    assert heavier * sampled.mean() > 0.3, sampled.mean()
+
+
+@needs_smolvla
+def test_fine_tuning_refuses_what_a_lerobot_policy_cannot_do(smolvla_replica, tmp_path):
+    from vla_rl.trainer import VLAHABCTrainer
+
+    act = save_tiny("act", tmp_path / "act")
+    cases = [
+        (act, [], "fine-tuning takes flow-matching policies"),
+        (smolvla_replica, ["method=grpo", "rollout.group_size=2"], "no action log-probabilities for GRPO"),
+        (smolvla_replica, ["rollout.std_scale=0.3"], "set rollout.std_scale=1.0"),
+    ]
+    for directory, overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            VLAHABCTrainer(smolvla_config(directory, tmp_path / "run", *overrides))
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="is a LeRobot policy; --dry-run plans VLAPolicy runs only"):
+        VLAHABCTrainer.memory_plan(smolvla_config(smolvla_replica, tmp_path / "run"), "vla/smolvla_habc", 1)

@@ -92,11 +92,14 @@ class PolicyActs(Controller):
 
 
 class SampledChunks(Controller):
-    """Chunks sampled from the policy's distribution, its std times `std_scale`, with `generator`, for
-    the rows that need one (as `VLAPolicy.act` does, executing the first `n_action_steps` actions of
-    each), so that every executed action's index in its chunk is known."""
+    """Chunks sampled by the policy's `sample_chunks` (a VLAPolicy from its distribution, its std times
+    `std_scale`; a flow-matching LeRobot policy from noise), with `generator`, for the rows that need
+    one (as `act` does, executing the first `n_action_steps` actions of each), so that every executed
+    action's index in its chunk is known."""
 
-    def __init__(self, policy: VLAPolicy, generator: torch.Generator, std_scale: float = 1.0) -> None:
+    def __init__(
+        self, policy: VLAPolicy | LeRobotPolicy, generator: torch.Generator, std_scale: float = 1.0
+    ) -> None:
         self.policy, self.generator, self.std_scale = policy, generator, std_scale
         self.n_exec = policy.config.n_action_steps
 
@@ -109,10 +112,8 @@ class SampledChunks(Controller):
         need = [j for j in rows if self.cursor[j] >= self.n_exec]
         if need:
             batch = {key: np.stack([obs[j][key] for j in need]) for key in ("state", "image")}
-            dist = self.policy(self.policy.prepare(batch, [instructions[j] for j in need]))
-            self.queue[need] = (
-                dist.scaled(self.std_scale).sample(generator=self.generator).float().cpu().numpy()
-            )
+            tasks = [instructions[j] for j in need]
+            self.queue[need] = self.policy.sample_chunks(batch, tasks, self.generator, self.std_scale)
             self.cursor[need] = 0
         actions = np.zeros((len(self.cursor), self.queue.shape[-1]), np.float32)
         actions[rows] = self.queue[rows, self.cursor[rows]]

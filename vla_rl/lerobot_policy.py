@@ -20,6 +20,12 @@ and rows that have left a cohort are still fed to it (their actions are dropped)
 tensors keep their batch size (each cohort is one `select_action` call per step). A row thus gets
 the actions LeRobot would give it alone (exactly so for a deterministic policy such as ACT).
 
+Fine-tuning (`mmrl train vla/smolvla_habc`): a flow-matching policy (SmolVLA) samples whole action
+chunks for the rollouts (`sample_chunks`, its noise drawn from the rollout's generator), and learns by
+a weighted flow-matching loss on action chunks (`chunk_loss`): each target step's velocity error,
+weighted by the method's per-step weight (HABC's advantage weights, AWR's, 1 for BC). Without
+log-probabilities such a policy cannot take GRPO's likelihood ratio, so GRPO refuses it.
+
 SmolVLA (LeRobot's smolvla extra: transformers < 5) builds its VLM from the config, tokenizer and
 processor files at its config's `vlm_model_name` even when the weights come from the checkpoint:
 a hub id (SmolVLM2 for `lerobot/smolvla_base`) needs the hub or its local cache, so offline point
@@ -40,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from vla_rl.policy import VLAPolicy, as_batch
 
@@ -50,6 +56,7 @@ INSTALL_HINT = (
     "`pip install --no-deps lerobot==0.4.4` and its other requirements (README: LeRobot policies)"
 )
 PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor.json", "policy_postprocessor.json"
+FLOW_MATCHING = ("smolvla",)  # LeRobot policy types the trainer can fine-tune (chunk sampling and loss)
 
 
 def import_lerobot() -> dict[str, Any]:
@@ -87,6 +94,8 @@ class LeRobotActingConfig:
     state_key: str | None  # the STATE input feature, if the policy reads proprioception
     state_dim: int
     action_dim: int
+    horizon: int  # actions per predicted chunk
+    n_action_steps: int  # actions of a chunk executed before the next is predicted
 
 
 @dataclass
@@ -131,6 +140,8 @@ class LeRobotPolicy(nn.Module):
             state_key=states[0] if states else None,
             state_dim=int(cfg.input_features[states[0]].shape[0]) if states else 0,
             action_dim=int(cfg.output_features["action"].shape[0]),
+            horizon=int(getattr(cfg, "chunk_size", getattr(cfg, "horizon", 1))),
+            n_action_steps=int(cfg.n_action_steps),
         )
         # Per-episode state: the instance attributes that are not nn.Module bookkeeping or the config.
         # A fresh copy is taken now, right after reset(), so that new cohorts never share it.
@@ -240,6 +251,82 @@ class LeRobotPolicy(nn.Module):
                 actions[rows] = action.float().cpu().numpy().reshape(len(rows), -1)
         actions = np.clip(actions, -1.0, 1.0)
         return actions[0] if single else actions
+
+    # ----- fine-tuning (flow-matching policies) ----------------------------------------------------
+    @property
+    def trainable(self) -> bool:
+        """Whether `sample_chunks` and `chunk_loss` work for this policy: a flow-matching action head."""
+        return self.config.policy_type in FLOW_MATCHING
+
+    def _flow_model(self) -> Any:
+        if not self.trainable:
+            raise ValueError(
+                f"fine-tuning needs a flow-matching LeRobot policy ({', '.join(FLOW_MATCHING)}); "
+                f"{self.config.policy_type!r} is supported in evaluation only"
+            )
+        return self.policy
+
+    def _noise(self, rows: int, generator: torch.Generator) -> Tensor:
+        """Standard-normal noise for `rows` chunks, padded to the model's action width, from `generator`."""
+        cfg = self.policy.config
+        shape = (rows, self.config.horizon, cfg.max_action_dim)
+        return torch.randn(shape, generator=generator).to(self.device)
+
+    @torch.no_grad()
+    def sample_chunks(
+        self,
+        obs: Mapping[str, np.ndarray],
+        instructions: Sequence[str],
+        generator: torch.Generator,
+        std_scale: float = 1.0,
+    ) -> np.ndarray:
+        """Sampled action chunks (B, horizon, action_dim) in the sim's units, clipped to [-1, 1]: the
+        flow is integrated from noise drawn from `generator`, so a seeded generator repeats them.
+        `std_scale` must be 1: a flow-matching policy has no std to scale."""
+        policy = self._flow_model()
+        if std_scale != 1.0:
+            raise ValueError(f"std_scale = {std_scale}: a flow-matching policy samples at its own spread (1)")
+        batch = self.preprocessor(self.prepare(obs, instructions))
+        chunks = policy.predict_action_chunk(batch, noise=self._noise(len(instructions), generator))
+        return np.clip(self.postprocessor(chunks).float().cpu().numpy(), -1.0, 1.0)
+
+    def chunk_loss(
+        self,
+        batch: Mapping[str, Any],
+        actions: Tensor,
+        mask: Tensor,
+        weight: Tensor,
+        generator: torch.Generator,
+    ) -> Tensor:
+        """The weighted flow-matching loss of action chunks (B, horizon, action_dim) in the sim's units
+        given the raw observations `batch` (`prepare`): each target step's mean squared velocity error
+        over the action entries, times `weight` (B, horizon), summed where `mask` (B, horizon) and
+        divided by the number of masked-in steps. Noise and flow times come from `generator`."""
+        from lerobot.utils.constants import ACTION, OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS
+
+        policy = self._flow_model()
+        inputs = self.preprocessor({**batch, ACTION: actions.to(self.device)})
+        images, image_masks = policy.prepare_images(inputs)
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)  # the model draws its own noise and flow times
+            losses = policy.model.forward(
+                images,
+                image_masks,
+                inputs[OBS_LANGUAGE_TOKENS],
+                inputs[OBS_LANGUAGE_ATTENTION_MASK],
+                policy.prepare_state(inputs),
+                policy.prepare_action(inputs),
+            )
+        per_step = losses[..., : self.config.action_dim].mean(-1)  # (B, horizon)
+        mask = mask.to(per_step.device, per_step.dtype)
+        return (weight.to(per_step.device) * mask * per_step).sum() / mask.sum().clamp(min=1.0)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """The policy and both processors, as `from_pretrained` (and LeRobot itself) read them back."""
+        for part in (self.policy, self.preprocessor, self.postprocessor):
+            part.save_pretrained(directory)
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu") -> VLAPolicy | LeRobotPolicy:

@@ -343,6 +343,19 @@ class VLAPolicy(nn.Module):
         self._cursor += 1
         return actions[0] if single else actions
 
+    @torch.no_grad()
+    def sample_chunks(
+        self,
+        obs: Mapping[str, np.ndarray],
+        instructions: Sequence[str],
+        generator: torch.Generator,
+        std_scale: float = 1.0,
+    ) -> np.ndarray:
+        """Action chunks (B, horizon, action_dim) sampled with `generator` from the distribution with
+        its std times `std_scale` (exploration in training rollouts)."""
+        dist = self(self.prepare(obs, instructions)).scaled(std_scale)
+        return dist.sample(generator=generator).float().cpu().numpy()
+
     # ----- saving --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
         """config.json and model.safetensors (weights and normalisation statistics) in `directory`."""

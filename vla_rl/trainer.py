@@ -61,6 +61,7 @@ from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
 from vla_rl.grpo import update_branched_grpo, update_grpo
 from vla_rl.habc import Critics, CriticTargets, critic_losses
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
+from vla_rl.lerobot_policy import FLOW_MATCHING, LeRobotPolicy, import_lerobot, is_lerobot_policy_dir
 from vla_rl.memory_plan import habc_memory_plan
 from vla_rl.online import Episode, Transitions, add_to_buffer, rollouts
 from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy, instruction_words
@@ -83,6 +84,55 @@ def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
+def _concat(values: list[Any]) -> Any:
+    """Batch parts joined: tensors along the first dimension, lists (instructions) end to end."""
+    return sum(values, []) if isinstance(values[0], list) else torch.cat(values)
+
+
+def check_lerobot_run(config: VLAHABCConfig, path: Path) -> None:
+    """What fine-tuning a LeRobot policy needs, checked before anything runs: a flow-matching policy
+    (chunks sampled from noise, a weighted flow-matching loss), a buffer method, sampling at the
+    policy's own spread, LeRobot importable."""
+    try:
+        import_lerobot()
+    except ImportError as err:
+        where = f"model.path = {config.model.path!r} is a LeRobot policy"
+        raise ConfigError(f"config error: {where}: {err}") from None
+    kind = json.loads((path / CONFIG_NAME).read_text())["type"]
+    where = f"model.path = {config.model.path!r} is a LeRobot {kind!r} policy"
+    if kind not in FLOW_MATCHING:
+        raise ConfigError(
+            f"config error: {where}; fine-tuning takes flow-matching policies ({', '.join(FLOW_MATCHING)}), "
+            f"other LeRobot policies run in `mmrl eval vla` only"
+        )
+    if config.method == "grpo":
+        raise ConfigError(
+            f"config error: {where}, which has no action log-probabilities for GRPO's ratio: use "
+            "method=habc, awr, bc or dagger"
+        )
+    if config.rollout.std_scale != 1.0:
+        raise ConfigError(
+            f"config error: {where}; rollout.std_scale = {config.rollout.std_scale}, but a flow-matching "
+            "policy samples at its own spread: set rollout.std_scale=1.0"
+        )
+
+
+def demo_frames(dataset: RobotDataset, horizon: int) -> dict[str, Tensor]:
+    """Every demonstration frame for a LeRobot policy: image (N, 3, H, W) uint8, the full env state,
+    the instruction's index into `dataset.tasks`, the action chunk and its mask."""
+    parts: dict[str, list[Tensor]] = {"image": [], "state": [], "task": []}
+    for index in range(len(dataset.episodes)):
+        episode = dataset.episode(index)
+        parts["image"].append(episode[IMAGE_KEY])
+        parts["state"].append(episode[STATE_KEY].float())
+        parts["task"].append(torch.full((len(episode[IMAGE_KEY]),), dataset.tasks.index(episode["task"])))
+    chunks = [dataset.chunk(i, horizon) for i in range(len(dataset))]
+    return {k: torch.cat(v) for k, v in parts.items()} | {
+        "actions": torch.stack([c[0] for c in chunks]).float(),
+        "mask": torch.stack([c[1] for c in chunks]),
+    }
+
+
 @TRAINERS.register("vla_habc")
 class VLAHABCTrainer(Trainer):
     """Online fine-tuning of a pretrained VLAPolicy with HABC or a baseline (see the module docstring)."""
@@ -99,10 +149,18 @@ class VLAHABCTrainer(Trainer):
                 f"({' or '.join(missing)} missing): run `mmrl pretrain vla` first, or set model.path "
                 "to a directory written by VLAPolicy.save_pretrained"
             )
+        self.lerobot = is_lerobot_policy_dir(path)
+        if self.lerobot:
+            check_lerobot_run(config, path)
         super().__init__(config, accelerator)
 
     @classmethod
     def memory_plan(cls, config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
+        if is_lerobot_policy_dir(shipped_path(config.model.path)):
+            raise ConfigError(
+                f"config error: model.path = {config.model.path!r} is a LeRobot policy; --dry-run plans "
+                "VLAPolicy runs only: run steps=1 and read the peak memory instead"
+            )
         return habc_memory_plan(config, recipe, processes)
 
     # ----- setup -----------------------------------------------------------------------------
@@ -119,9 +177,8 @@ class VLAHABCTrainer(Trainer):
                 "launch it without accelerate's multi-process options"
             )
         try:
-            self.policy = VLAPolicy.from_pretrained(
-                shipped_path(cfg.model.path), device=self.accelerator.device
-            ).train()
+            load = LeRobotPolicy.from_pretrained if self.lerobot else VLAPolicy.from_pretrained
+            self.policy = load(shipped_path(cfg.model.path), device=self.accelerator.device).train()
         except ConfigError as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         check_env_size(cfg, self.policy.config.image_size)
@@ -135,17 +192,22 @@ class VLAHABCTrainer(Trainer):
                 f"{cfg.rollout.task!r}: {problem}; set grpo.branch_every=0 for this task"
             )
         proprio_dim = self.envs[0].get_wrapper_attr("proprio_dim")
-        if proprio_dim != self.policy.config.proprio_dim:
+        expected = self.policy.config.state_dim if self.lerobot else self.policy.config.proprio_dim
+        if expected and proprio_dim != expected:
             raise ConfigError(
-                f"config error: model.path = {cfg.model.path!r} expects proprio_dim = "
-                f"{self.policy.config.proprio_dim}, task {cfg.rollout.task} gives {proprio_dim}: "
+                f"config error: model.path = {cfg.model.path!r} expects {expected} proprioception "
+                f"entries, task {cfg.rollout.task} gives {proprio_dim}: "
                 "use a policy pretrained on a compatible task"
             )
         self.expert = expert_for(cfg.rollout.task)
-        added = self.policy.add_words(instruction_words(self.envs[0].get_wrapper_attr("instruction")))
-        if added and self.is_main:  # before the optimizer, which must hold the grown embedding
-            print(f"added the words {', '.join(added)} of task {cfg.rollout.task} to the policy's vocabulary")
-        self.prepare_model_and_optimizer(self.policy, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        if not self.lerobot:  # a LeRobot policy's tokenizer reads any instruction
+            added = self.policy.add_words(instruction_words(self.envs[0].get_wrapper_attr("instruction")))
+            if added and self.is_main:  # before the optimizer, which must hold the grown embedding
+                print(f"added the words {', '.join(added)} of task {cfg.rollout.task} to the vocabulary")
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # SmolVLA freezes its VLM
+        self.prepare_model_and_optimizer(
+            self.policy, trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+        )
         self.critics = Critics(self.envs[0].observation_space["state"].shape[0], cfg.critic.hidden)
         self.critic_optimizer = torch.optim.Adam(self.critics.parameters(), lr=cfg.critic.lr)
         capacity = {
@@ -197,7 +259,17 @@ class VLAHABCTrainer(Trainer):
                 f"config error: train.demos = {str(dataset.root)!r} does not fit task "
                 f"{self.config.rollout.task}: {err}"
             ) from None
-        return frame_tensors(dataset, self.policy)
+        if not self.lerobot:
+            return frame_tensors(dataset, self.policy)
+        self.demo_tasks = list(dataset.tasks)  # demo_frames' "task" indexes these
+        return demo_frames(dataset, self.horizon)
+
+    def demo_inputs(self, frames: dict[str, Tensor]) -> dict[str, Any]:
+        """The policy's batch for demonstration frames drawn from `demo_frames`."""
+        if not self.lerobot:
+            return {k: frames[k].to(self.accelerator.device) for k in ("image", "proprio", "state", "tokens")}
+        obs = {"image": frames["image"].permute(0, 2, 3, 1).numpy(), "state": frames["state"].numpy()}
+        return self.policy.prepare(obs, [self.demo_tasks[i] for i in frames["task"].tolist()])
 
     @property
     def branched(self) -> bool:
@@ -386,20 +458,21 @@ class VLAHABCTrainer(Trainer):
         }
 
     # ----- actor -------------------------------------------------------------------------------
-    def actor_step(self, loss: Tensor, dist: ClippedGaussian) -> dict[str, float] | None:
+    def actor_step(self, loss: Tensor, dist: ClippedGaussian | None) -> dict[str, float] | None:
         """Backward and step on `loss` plus `train.state_weight` times the policy's auxiliary
         object-position loss (when the batch had the env state and the policy has the head: every
         actor update keeps it, and so every parameter gets a gradient, as DDP requires). Returns the
         step's metrics, or None: the update skipped, as a NaN is data, not a crash."""
         cfg = self.config.train
-        if dist.state_loss is not None and cfg.state_weight != 0:
-            loss = loss + cfg.state_weight * dist.state_loss
+        state_loss = dist.state_loss if dist is not None else None
+        if state_loss is not None and cfg.state_weight != 0:
+            loss = loss + cfg.state_weight * state_loss
         try:
             grad_norm = self.optimizer_step(loss, cfg.max_grad_norm, cfg.nan_patience, what="actor ")
         except StepSkipped:
             return None
         out = {"loss": loss.item(), "grad_norm": float(grad_norm)}
-        return out if dist.state_loss is None else out | {"state_loss": dist.state_loss.item()}
+        return out if state_loss is None else out | {"state_loss": state_loss.item()}
 
     def actor_metrics(self, steps: list[dict[str, float] | None]) -> dict[str, Any]:
         """The mean of each metric over the actor steps that ran, and how many ran and were skipped."""
@@ -432,18 +505,23 @@ class VLAHABCTrainer(Trainer):
                     actions = torch.from_numpy(relabelled).reshape(*chunk.shape, -1).float()
                 else:
                     actions = tr.action[chunk]
-                inputs = tr.policy_inputs(self.policy, pick) | {"state": tr.state[pick].to(device)}
+                inputs = tr.policy_inputs(self.policy, pick)
+                if not self.lerobot:  # the auxiliary object-position head's targets
+                    inputs["state"] = tr.state[pick].to(device)
                 parts.append((inputs, actions, mask, weights[chunk]))
             if n_demo:
                 demo = torch.randint(len(self.demo_frames["actions"]), (n_demo,), generator=generator)
                 frames = {k: v[demo] for k, v in self.demo_frames.items()}
-                inputs = {k: frames[k].to(device) for k in ("image", "proprio", "state", "tokens")}
-                parts.append((inputs, frames["actions"], frames["mask"], torch.ones(n_demo, horizon)))
-            inputs = {k: torch.cat([p[0][k] for p in parts]) for k in parts[0][0]}
+                demo_weight = torch.ones(n_demo, horizon)
+                parts.append((self.demo_inputs(frames), frames["actions"], frames["mask"], demo_weight))
+            inputs = {k: _concat([p[0][k] for p in parts]) for k in parts[0][0]}
             actions, mask, weight = (torch.cat([p[i] for p in parts]).to(device) for i in (1, 2, 3))
             self.model.train()
-            dist = self.model(inputs)
-            loss = aggregate_loss(-weight * dist.log_prob(actions).sum(-1), mask, "token_mean")
+            if self.lerobot:  # weighted flow matching: no likelihood, no auxiliary head
+                loss, dist = self.policy.chunk_loss(inputs, actions, mask, weight, generator), None
+            else:
+                dist = self.model(inputs)
+                loss = aggregate_loss(-weight * dist.log_prob(actions).sum(-1), mask, "token_mean")
             steps.append(self.actor_step(loss, dist))
         return self.actor_metrics(steps)
 
