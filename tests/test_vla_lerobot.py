@@ -480,5 +480,27 @@ def test_fine_tuning_refuses_what_a_lerobot_policy_cannot_do(smolvla_replica, tm
         with pytest.raises(ConfigError, match=message):
             VLAHABCTrainer(smolvla_config(directory, tmp_path / "run", *overrides))
         assert not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="is a LeRobot policy; --dry-run plans VLAPolicy runs only"):
-        VLAHABCTrainer.memory_plan(smolvla_config(smolvla_replica, tmp_path / "run"), "vla/smolvla_habc", 1)
+    with pytest.raises(ConfigError, match="no action log-probabilities for GRPO"):  # --dry-run too
+        config = smolvla_config(smolvla_replica, tmp_path / "run", "method=grpo", "rollout.group_size=2")
+        VLAHABCTrainer.memory_plan(config, "vla/smolvla_habc", 1)
+
+
+@needs_smolvla
+def test_the_smolvla_recipe_plans_its_memory_before_the_run(smolvla_replica, tmp_path, capsys):
+    """--dry-run loads the SmolVLA replica, measures its phases and counts its frozen VLM as weights
+    without gradients or optimizer states; it writes nothing."""
+    from vla_rl.trainer import VLAHABCTrainer
+
+    config = smolvla_config(smolvla_replica, tmp_path / "run")
+    plan = VLAHABCTrainer.memory_plan(config, "vla/smolvla_habc", 1)
+    policy = LeRobotPolicy.from_pretrained(smolvla_replica)
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in policy.parameters())
+    assert plan.gradients == 4 * trainable
+    assert "actor update (8 chunks)" in plan.phases and plan.held["demonstrations"] > 0
+    out = tmp_path / "cli"
+    assert (
+        main(["train", "vla/smolvla_habc", f"model.path={smolvla_replica}", f"output_dir={out}", "--dry-run"])
+        == 0
+    )
+    assert "replay buffer" in capsys.readouterr().out and not out.exists()

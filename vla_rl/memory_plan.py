@@ -1,22 +1,24 @@
 """The robot trainer's plan for `mmrl train vla/... --dry-run` (see `mmrl.memory_plan`).
 
-The policy is small next to what a robot run keeps in host memory: every stored transition holds a
-camera frame, and the demonstrations are decoded into tensors once. So the plan loads the policy from
-`model.path` (it is small: no meta device needed), makes one environment of the task without
-rendering to read its spaces, instruction and time limit (and to run the expert when the
-demonstrations' length must be estimated), and measures each phase on real tensors of the config's sizes
-with `LiveTensorBytes`: an actor update (`train.batch_size` action chunks, backward, optimizer step),
-a critic update (`critic.batch_size` states per head), a rollout step (`rollout.num_envs`
-observations) and an evaluation step (`eval.num_envs`). Beside the phases it counts, from the config
-and the spaces, the replay buffer when full (or when it holds everything the run collects), the flat
-transition rows an update builds from it, the buffer's second copy while a checkpoint is written,
-the decoded demonstrations and the environments (a rough figure per simulator and renderer).
+The policy is small next to what a robot run keeps in host memory: every stored transition holds a camera
+frame, and the demonstrations are decoded into tensors once. So the plan loads the policy from
+`model.path` (our VLAPolicy, or a LeRobot flow-matching policy such as SmolVLA, whose frozen VLM counts
+as weights without gradients or optimizer states; both load on the CPU, no meta device), makes one
+environment of the task without rendering to read its spaces, instruction and time limit (and to run the
+expert when the demonstrations' length must be estimated), and measures each phase on real tensors of the
+config's sizes with `LiveTensorBytes`: an actor update (`train.batch_size` action chunks, backward,
+optimizer step), a critic update (`critic.batch_size` states per head), a rollout step
+(`rollout.num_envs` observations) and an evaluation step (`eval.num_envs`). Beside the phases it counts,
+from the config and the spaces, the replay buffer when full (or when it holds everything the run
+collects), the flat transition rows an update builds from it, the buffer's second copy while a checkpoint
+is written, the decoded demonstrations and the environments (a rough figure per simulator and renderer).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmrl.config import ConfigError, shipped_path
@@ -32,6 +34,7 @@ from vla_rl.baselines import BUFFER_METHODS
 from vla_rl.config import ENV_BYTES, VLAHABCConfig
 from vla_rl.habc import Critics
 from vla_rl.lerobot_checks import load_info
+from vla_rl.lerobot_policy import LeRobotPolicy, is_lerobot_policy_dir
 from vla_rl.policy import VLAPolicy, instruction_words
 
 # bytes per transition beside its frame, state and action: reward (float32), is_intervention (bool),
@@ -85,8 +88,10 @@ def demo_frames(config: VLAHABCConfig, env: Any) -> tuple[int, str]:
 
 def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
     r, t, c = config.rollout, config.train, config.critic
+    path = shipped_path(config.model.path)
+    lerobot = is_lerobot_policy_dir(path)
     try:
-        policy = VLAPolicy.from_pretrained(shipped_path(config.model.path)).train()
+        policy = (LeRobotPolicy if lerobot else VLAPolicy).from_pretrained(path).train()
     except (FileNotFoundError, ConfigError) as err:
         raise ConfigError(f"config error: model.path = {config.model.path!r}: {err}") from None
     size, horizon = policy.config.image_size, policy.config.horizon
@@ -101,27 +106,37 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
         frames, frames_source = demo_frames(config, env)
     finally:
         env.close()
-    policy.add_words(instruction_words(task["instruction"]))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
+    if not lerobot:
+        policy.add_words(instruction_words(task["instruction"]))
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr)
+    generator = torch.Generator().manual_seed(0)
     critics = Critics(task["state_dim"], c.hidden)
     critic_optimizer = torch.optim.Adam(critics.parameters(), lr=c.lr)
     uses_critics = (
         config.method in BUFFER_METHODS and BUFFER_METHODS[config.method].critic_targets is not None
     )
 
-    def batch(rows: int) -> dict[str, torch.Tensor]:
+    def observations(rows: int) -> dict[str, Any]:
         return {
-            "image": torch.zeros(rows, 3, size, size, dtype=torch.uint8),
-            "proprio": torch.zeros(rows, policy.config.proprio_dim),
-            "state": torch.zeros(rows, task["state_dim"]),
-            "tokens": policy.tokenize([task["instruction"]] * rows),
+            "image": np.zeros((rows, size, size, 3), np.uint8),
+            "state": np.zeros((rows, task["state_dim"]), np.float32),
         }
 
+    def batch(rows: int) -> dict[str, Any]:
+        inputs = policy.prepare(observations(rows), [task["instruction"]] * rows)
+        return inputs if lerobot else inputs | {"state": torch.zeros(rows, task["state_dim"])}
+
     def actor_update() -> None:
-        dist = policy(batch(t.batch_size))
-        loss = -dist.log_prob(torch.zeros(t.batch_size, horizon, task["action_dim"])).mean()
-        if dist.state_loss is not None:
-            loss = loss + dist.state_loss
+        actions = torch.zeros(t.batch_size, horizon, task["action_dim"])
+        if lerobot:
+            ones = torch.ones(t.batch_size, horizon)
+            loss = policy.chunk_loss(batch(t.batch_size), actions, ones.bool(), ones, generator)
+        else:
+            dist = policy(batch(t.batch_size))
+            loss = -dist.log_prob(actions).mean()
+            if dist.state_loss is not None:
+                loss = loss + dist.state_loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -134,8 +149,7 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
         critic_optimizer.zero_grad(set_to_none=True)
 
     def act(rows: int) -> None:
-        with torch.no_grad():
-            policy(batch(rows)).sample()
+        policy.sample_chunks(observations(rows), [task["instruction"]] * rows, generator)
 
     actor_update()  # the first steps create the optimizers' states, which every later phase holds
     critic_update()
@@ -161,14 +175,10 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
     phases["update on the buffer's flat rows"] = PhasePeak(weights, states, update.transient + flat)
     if config.checkpoint_every:
         phases["checkpoint (a copy of the buffer)"] = PhasePeak(weights, states, buffer)
-    # per decoded frame: image, proprio and state, tokens, the action chunk and its mask
-    frame_bytes = (
-        3 * size * size
-        + 4 * policy.config.proprio_dim
-        + state_bytes
-        + 8 * policy.config.max_words
-        + horizon * (4 * task["action_dim"] + 1)
-    )
+    # per decoded frame: image, state (and proprio and tokens for our policy; the instruction's index
+    # for a LeRobot one), the action chunk and its mask
+    words = 8 if lerobot else 4 * policy.config.proprio_dim + 8 * policy.config.max_words
+    frame_bytes = 3 * size * size + state_bytes + words + horizon * (4 * task["action_dim"] + 1)
     other = {"critics": weight_bytes([critics]) + optimizer_state_bytes(critic_optimizer)}
     held = {
         "replay buffer": buffer,
@@ -202,7 +212,7 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
         processes=processes,
         parameters=parameter_count([policy, critics]),
         trainable=parameter_count([policy, critics], trainable=True),
-        gradients=sum(p.numel() * p.element_size() for p in policy.parameters()),
+        gradients=sum(p.numel() * p.element_size() for p in trainable),
         other_weights=other,
         phases=phases,
         held=held,

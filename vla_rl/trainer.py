@@ -156,11 +156,9 @@ class VLAHABCTrainer(Trainer):
 
     @classmethod
     def memory_plan(cls, config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
-        if is_lerobot_policy_dir(shipped_path(config.model.path)):
-            raise ConfigError(
-                f"config error: model.path = {config.model.path!r} is a LeRobot policy; --dry-run plans "
-                "VLAPolicy runs only: run steps=1 and read the peak memory instead"
-            )
+        path = shipped_path(config.model.path)
+        if is_lerobot_policy_dir(path):
+            check_lerobot_run(config, path)
         return habc_memory_plan(config, recipe, processes)
 
     # ----- setup -----------------------------------------------------------------------------
