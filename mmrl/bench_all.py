@@ -49,11 +49,13 @@ def print_table(title: str, header: list[str], lines: list[list[str]]) -> None:
             print("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)))
         return
     table = Table(title=title)
-    for column in header:
-        table.add_column(column, justify="right", no_wrap=True)
+    for column in header:  # a cell too wide for a terminal folds onto more lines, never loses text
+        table.add_column(column, justify="right", overflow="fold")
     for line in lines:
         table.add_row(*map(escape, line))  # "[nfe_ratio]" is text, not a style tag
-    Console(width=None if sys.stdout.isatty() else 160).print(table)  # no 80-column wrap in logs
+    # in a log or a pipe, as wide as the table: every row on one line
+    widths = [max(len(cell) for cell in column) for column in zip(header, *lines, strict=True)]
+    Console(width=None if sys.stdout.isatty() else max(sum(widths) + 3 * len(widths) + 1, 80)).print(table)
 
 
 def bench_kwargs(fn: Callable[..., Any], data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

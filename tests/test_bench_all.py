@@ -133,6 +133,16 @@ def test_rich_table_keeps_brackets(capsys):
     assert "[nfe_ratio]" in capsys.readouterr().out
 
 
+def test_a_wide_table_keeps_every_cell_whole_in_a_log(capsys):
+    from mmrl.bench_all import print_table
+
+    name = "metaworld/pick-place-v3: rgb 96px obs from the full meshes, random actions"
+    print_table("t", ["variant", "baseline", "steps/s", "ratio"], [[name, name, "33.8", "1.69x"]] * 2)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if name in line]
+    assert len(rows) == 2 and all(line.count(name) == 2 and "1.69x" in line for line in rows)
+
+
 def test_real_small_run(monkeypatch, tmp_path, rendering_error):
     """core (and vla, when the robot extra renders here) at tiny sizes, through the real registry."""
     entries = {"all": bench_all, "core": bench_core}
