@@ -187,6 +187,13 @@ def lerobot_action(policy, preprocessor, postprocessor, obs: dict[str, np.ndarra
 # ----- without LeRobot (CI) ------------------------------------------------------------------------
 
 
+@pytest.fixture
+def no_lerobot(monkeypatch):
+    """LeRobot unimportable, as if not installed, even where it is."""
+    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def fake_lerobot_dir(tmp_path):
     directory = tmp_path / "act_policy"
     directory.mkdir()
@@ -203,9 +210,7 @@ def test_lerobot_dirs_are_told_apart_by_config_type(tmp_path):
     assert not is_lerobot_policy_dir(tmp_path / "missing")
 
 
-def test_missing_lerobot_names_the_extra_and_the_recipe(tmp_path, monkeypatch):
-    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
-        monkeypatch.setitem(sys.modules, name, None)  # as if not installed, even where it is
+def test_missing_lerobot_names_the_extra_and_the_recipe(tmp_path, no_lerobot):
     directory = fake_lerobot_dir(tmp_path)
     for load in (LeRobotPolicy.from_pretrained, load_policy):
         with pytest.raises(ImportError, match=r"pip install 'mmrl\[lerobot\]'.*torch==2\.13\.0.*README"):
@@ -214,19 +219,15 @@ def test_missing_lerobot_names_the_extra_and_the_recipe(tmp_path, monkeypatch):
         check_config(VLAPoliciesEvalConfig(policies=[str(directory)], task="Reach"))
 
 
-def test_cli_names_the_recipe_without_lerobot(tmp_path, monkeypatch, capsys):
-    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
-        monkeypatch.setitem(sys.modules, name, None)
+def test_cli_names_the_recipe_without_lerobot(tmp_path, no_lerobot, capsys):
     directory = fake_lerobot_dir(tmp_path)
     assert main(["eval", "vla", f"policies=[{directory}]", "task=Reach"]) == 2
     assert "is a LeRobot policy" in capsys.readouterr().err
 
 
-def test_fine_tuning_a_lerobot_policy_without_lerobot_names_the_install(tmp_path, monkeypatch):
+def test_fine_tuning_a_lerobot_policy_without_lerobot_names_the_install(tmp_path, no_lerobot):
     from vla_rl.trainer import VLAHABCTrainer
 
-    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
-        monkeypatch.setitem(sys.modules, name, None)
     directory = fake_lerobot_dir(tmp_path)
     (directory / "model.safetensors").write_bytes(b"")
     config = load_config("vla/smolvla_habc", [f"model.path={directory}", f"output_dir={tmp_path / 'run'}"])
@@ -235,9 +236,7 @@ def test_fine_tuning_a_lerobot_policy_without_lerobot_names_the_install(tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_the_smolvla_replica_without_lerobot_says_so(tmp_path, monkeypatch, capsys):
-    for name in [m for m in sys.modules if m == "lerobot" or m.startswith("lerobot.")] + ["lerobot"]:
-        monkeypatch.setitem(sys.modules, name, None)
+def test_the_smolvla_replica_without_lerobot_says_so(tmp_path, no_lerobot, capsys):
     assert main(["replica", "smolvla", f"output_dir={tmp_path / 'r'}"]) == 2
     assert "mmrl replica smolvla needs LeRobot" in capsys.readouterr().err
     assert main(["replica", "smolvla", f"output_dir={tmp_path / 'r'}", "full=true"]) == 2

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mmrl.losses import aggregate_loss
 from vla_rl.policy import VLAPolicy, as_batch
 
 INSTALL_HINT = (
@@ -253,13 +254,9 @@ class LeRobotPolicy(nn.Module):
         return actions[0] if single else actions
 
     # ----- fine-tuning (flow-matching policies) ----------------------------------------------------
-    @property
-    def trainable(self) -> bool:
-        """Whether `sample_chunks` and `chunk_loss` work for this policy: a flow-matching action head."""
-        return self.config.policy_type in FLOW_MATCHING
-
     def _flow_model(self) -> Any:
-        if not self.trainable:
+        """The LeRobot policy, if `sample_chunks` and `chunk_loss` work for it (a flow-matching head)."""
+        if self.config.policy_type not in FLOW_MATCHING:
             raise ValueError(
                 f"fine-tuning needs a flow-matching LeRobot policy ({', '.join(FLOW_MATCHING)}); "
                 f"{self.config.policy_type!r} is supported in evaluation only"
@@ -320,8 +317,7 @@ class LeRobotPolicy(nn.Module):
                 policy.prepare_action(inputs),
             )
         per_step = losses[..., : self.config.action_dim].mean(-1)  # (B, horizon)
-        mask = mask.to(per_step.device, per_step.dtype)
-        return (weight.to(per_step.device) * mask * per_step).sum() / mask.sum().clamp(min=1.0)
+        return aggregate_loss(weight.to(per_step.device) * per_step, mask.to(per_step.device), "token_mean")
 
     def save_pretrained(self, directory: str | Path) -> None:
         """The policy and both processors, as `from_pretrained` (and LeRobot itself) read them back."""
