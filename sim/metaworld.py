@@ -41,6 +41,20 @@ OBSERVATION = "observation"  # Meta-World's observation is one 39-vector; these 
 HAND, OBJECTS, GOAL = slice(0, 4), slice(4, 36), slice(36, 39)  # hand + gripper; 2 object poses, 2 frames
 SUITES = ("MT10", "MT50")  # multi-task sets: one task per episode, drawn from the reset's seed
 MESH_CELL_96 = 0.01  # m: the mesh clustering grid for 96 px frames (about a pixel at the table)
+# tasks whose scripted policy grasps the first object and lifts it on the way to the goal: their failed
+# episodes are named by how far that object got (`MetaWorldExpert.failure`)
+CARRY_TASKS = frozenset(
+    {
+        "pick-place-v3",
+        "pick-place-wall-v3",
+        "bin-picking-v3",
+        "assembly-v3",
+        "peg-insert-side-v3",
+        "pick-out-of-hole-v3",
+        "basketball-v3",
+    }
+)
+MOVED = LIFTED = 0.02  # m: the object moved from where it started / rose above its start
 
 
 def installed() -> bool:
@@ -182,7 +196,8 @@ class MetaWorldExpert(Expert):
         from metaworld.policies import ENV_POLICY_MAP
 
         super().__init__(task)
-        self.policies = [ENV_POLICY_MAP[name]() for name in suite_tasks(task.env_id.removeprefix(PREFIX))]
+        self.tasks = suite_tasks(task.env_id.removeprefix(PREFIX))
+        self.policies = [ENV_POLICY_MAP[name]() for name in self.tasks]
 
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
         obs = np.concatenate([s["hand"], s["objects"], s["goal"]])
@@ -191,6 +206,23 @@ class MetaWorldExpert(Expert):
             warnings.simplefilter("ignore", UserWarning)
             action = policy.get_action(obs)
         return np.clip(action, -1.0, 1.0).astype(np.float32)
+
+    def failure(self, states: np.ndarray) -> str | None:
+        """In a task of `CARRY_TASKS`, how far the object got: never moved, moved but never lifted,
+        lifted and dropped, or still up at the end (the goal not reached); None in other tasks."""
+        visited = [self.parts(state) for state in np.asarray(states)]
+        task = self.tasks[int(np.argmax(visited[0]["task"]))] if "task" in visited[0] else self.tasks[0]
+        if task not in CARRY_TASKS:
+            return None
+        path = np.stack([s["objects"][:3] for s in visited])  # the first object's position
+        rise = path[:, 2] - path[0, 2]
+        if np.linalg.norm(path - path[0], axis=1).max() < MOVED:
+            return "never moved the object"
+        if rise.max() < LIFTED:
+            return "moved the object, never lifted it"
+        if rise[-1] >= LIFTED:
+            return "lifted the object, still up short of the goal"
+        return "lifted and dropped the object"
 
 
 def metaworld_task(env_id: str) -> ExternalTask:

@@ -9,7 +9,7 @@ import pytest
 import sim
 from mmrl.config import ConfigError, load_config
 from sim.experts import expert_for
-from sim.metaworld import MAX_EPISODE_STEPS, instruction
+from sim.metaworld import CARRY_TASKS, LIFTED, MAX_EPISODE_STEPS, instruction
 from vla_rl.bench import bench_vla
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import VLABCTrainer
@@ -114,6 +114,49 @@ def test_the_scripted_policy_solves_scenes_and_takes_over_from_a_stray_state():
                 break
         assert info["is_success"] and reward == 1.0 and terminated, (seed, t)
     env.close()
+
+
+def expert_states(task: str, seed: int = 0) -> np.ndarray:
+    """The privileged states of the scripted policy's episode from reset `seed` (T+1, 39)."""
+    env = sim.make(task)
+    expert = expert_for(task)
+    obs, _ = env.reset(seed=seed)
+    states = [obs["state"]]
+    for _ in range(MAX_EPISODE_STEPS):
+        obs, _, terminated, truncated, info = env.step(expert.act(env))
+        states.append(obs["state"])
+        if terminated or truncated:
+            break
+    env.close()
+    assert info["is_success"]
+    return np.stack(states)
+
+
+def test_carry_task_failures_are_named_by_how_far_the_object_got():
+    """`failure` follows the first object: cut and edited from an expert episode, whose object rises."""
+    expert = expert_for(TASK)
+    states = expert_states(TASK)
+    objects = expert.layout["objects"]
+    start_z = states[0, objects][2]
+    rise = states[:, objects][:, 2] - start_z
+    up = int(np.argmax(rise > LIFTED))
+    assert up > 0 and rise[-1] > LIFTED  # the scripted policy lifts the puck and ends holding it up
+
+    def lowered(rows):  # the same path with the object kept at its starting height
+        rows = rows.copy()
+        rows[:, objects.start + 2] = start_z
+        return rows
+
+    assert expert.failure(states[:1]) == "never moved the object"
+    assert expert.failure(lowered(states)) == "moved the object, never lifted it"
+    assert expert.failure(states[: up + 1]) == "lifted the object, still up short of the goal"
+    dropped = np.vstack([states[: up + 1], lowered(states[up + 1 : up + 2])])
+    assert expert.failure(dropped) == "lifted and dropped the object"
+    assert "reach-v3" not in CARRY_TASKS and expert_for("metaworld/reach-v3").failure(states) is None
+    suite = expert_for("metaworld/MT10")  # in a suite, the episode's task (its one-hot) decides
+    for task, named in (("pick-place-v3", "never moved the object"), ("reach-v3", None)):
+        one_hot = np.eye(len(suite.tasks))[suite.tasks.index(task)]
+        assert suite.failure(np.hstack([states[:1], one_hot[None]])) == named
 
 
 def test_mt10_draws_a_task_per_episode_and_its_expert_follows():

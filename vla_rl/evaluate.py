@@ -12,8 +12,9 @@ step); they are made with obs_mode "rgb", so the policy sees the camera image an
 A policy directory may also be a LeRobot policy (ACT, Diffusion, ...; `vla_rl.lerobot_policy`),
 recognised by the `type` field of its config.json.
 
-Where the task's scripted expert names failure modes (`Expert.failure`: PickPlace's), each failed
-episode is classified from the privileged states it visited, and eval_vla.json counts them per policy.
+Where the task's scripted expert names failure modes (`Expert.failure`: PickPlace's, and the Meta-World
+tasks that carry an object), each failed episode is classified from the privileged states it visited,
+and eval_vla.json counts them per policy.
 
 With ``interventions=true`` the task's scripted expert supervises every episode and takes over when
 the policy strays, by the evaluation rule of `vla_rl.supervisor` (not necessarily the one a trainer
