@@ -55,6 +55,7 @@ CARRY_TASKS = frozenset(
     }
 )
 MOVED = LIFTED = 0.02  # m: the object moved from where it started / rose above its start
+REACHED = 0.05  # m: the hand came this close to the object (about 0.035 above it when it grasps)
 
 
 def installed() -> bool:
@@ -208,8 +209,9 @@ class MetaWorldExpert(Expert):
         return np.clip(action, -1.0, 1.0).astype(np.float32)
 
     def failure(self, states: np.ndarray) -> str | None:
-        """In a task of `CARRY_TASKS`, how far the object got: never moved, moved but never lifted,
-        lifted and dropped, or still up at the end (the goal not reached); None in other tasks."""
+        """In a task of `CARRY_TASKS`, how far the object got: never reached by the hand, reached but
+        never moved, moved but never lifted, lifted and dropped, or still up at the end (the goal not
+        reached); None in other tasks."""
         visited = [self.parts(state) for state in np.asarray(states)]
         task = self.tasks[int(np.argmax(visited[0]["task"]))] if "task" in visited[0] else self.tasks[0]
         if task not in CARRY_TASKS:
@@ -217,7 +219,10 @@ class MetaWorldExpert(Expert):
         path = np.stack([s["objects"][:3] for s in visited])  # the first object's position
         rise = path[:, 2] - path[0, 2]
         if np.linalg.norm(path - path[0], axis=1).max() < MOVED:
-            return "never moved the object"
+            hand = np.stack([s["hand"][:3] for s in visited])
+            if np.linalg.norm(hand - path, axis=1).min() > REACHED:
+                return "never reached the object"
+            return "reached the object, never moved it"
         if rise.max() < LIFTED:
             return "moved the object, never lifted it"
         if rise[-1] >= LIFTED:

@@ -9,7 +9,7 @@ import pytest
 import sim
 from mmrl.config import ConfigError, load_config
 from sim.experts import expert_for
-from sim.metaworld import CARRY_TASKS, LIFTED, MAX_EPISODE_STEPS, instruction
+from sim.metaworld import CARRY_TASKS, LIFTED, MAX_EPISODE_STEPS, MOVED, instruction
 from vla_rl.bench import bench_vla
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import VLABCTrainer
@@ -147,14 +147,16 @@ def test_carry_task_failures_are_named_by_how_far_the_object_got():
         rows[:, objects.start + 2] = start_z
         return rows
 
-    assert expert.failure(states[:1]) == "never moved the object"
+    moved = int(np.argmax(np.linalg.norm(states[:, objects][:, :3] - states[0, objects][:3], axis=1) > MOVED))
+    assert expert.failure(states[:1]) == "never reached the object"
+    assert expert.failure(states[:moved]) == "reached the object, never moved it"
     assert expert.failure(lowered(states)) == "moved the object, never lifted it"
     assert expert.failure(states[: up + 1]) == "lifted the object, still up short of the goal"
     dropped = np.vstack([states[: up + 1], lowered(states[up + 1 : up + 2])])
     assert expert.failure(dropped) == "lifted and dropped the object"
     assert "reach-v3" not in CARRY_TASKS and expert_for("metaworld/reach-v3").failure(states) is None
     suite = expert_for("metaworld/MT10")  # in a suite, the episode's task (its one-hot) decides
-    for task, named in (("pick-place-v3", "never moved the object"), ("reach-v3", None)):
+    for task, named in (("pick-place-v3", "never reached the object"), ("reach-v3", None)):
         one_hot = np.eye(len(suite.tasks))[suite.tasks.index(task)]
         assert suite.failure(np.hstack([states[:1], one_hot[None]])) == named
 
