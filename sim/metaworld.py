@@ -212,14 +212,14 @@ class MetaWorldExpert(Expert):
         """In a task of `CARRY_TASKS`, how far the object got: never reached by the hand, reached but
         never moved, moved but never lifted, lifted and dropped, or still up at the end (the goal not
         reached); None in other tasks."""
-        visited = [self.parts(state) for state in np.asarray(states)]
-        task = self.tasks[int(np.argmax(visited[0]["task"]))] if "task" in visited[0] else self.tasks[0]
+        states, layout = np.asarray(states, dtype=np.float64), self.layout
+        task = self.tasks[int(np.argmax(states[0, layout["task"]]))] if "task" in layout else self.tasks[0]
         if task not in CARRY_TASKS:
             return None
-        path = np.stack([s["objects"][:3] for s in visited])  # the first object's position
+        path = states[:, layout["objects"]][:, :3]  # the first object's position
         rise = path[:, 2] - path[0, 2]
         if np.linalg.norm(path - path[0], axis=1).max() < MOVED:
-            hand = np.stack([s["hand"][:3] for s in visited])
+            hand = states[:, layout["hand"]][:, :3]
             if np.linalg.norm(hand - path, axis=1).min() > REACHED:
                 return "never reached the object"
             return "reached the object, never moved it"
