@@ -8,7 +8,9 @@ it with `pip install --no-deps metaworld==3.1.1` after mmrl (README: Robot polic
 Each episode draws a fresh object and goal placement from the reset's seed (Meta-World's own random
 ranges), so that training and held-out seeds see different scenes; the goal position is observed. The
 policy sees the camera frame (turned upright), the hand position, the gripper opening and the goal
-(`proprio`); the object poses are privileged (experts, critics). The instruction is the task's name
+(`proprio`); the object poses are privileged (experts, critics), unless the task is named with
+`.object` (`metaworld/pick-place-v3.object`), where the policy also sees the first object's position,
+as state-based Meta-World agents do. The instruction is the task's name
 in words ("pick place wall"). Episodes end on success or after `MAX_EPISODE_STEPS` steps (Meta-World's
 own limit is 500; its experts succeed within about 50-220 steps on the tasks tried).
 
@@ -39,6 +41,8 @@ MAX_EPISODE_STEPS = 200
 CAMERA = "corner2"  # sees the table, the arm and the objects of every task
 OBSERVATION = "observation"  # Meta-World's observation is one 39-vector; these parts of it:
 HAND, OBJECTS, GOAL = slice(0, 4), slice(4, 36), slice(36, 39)  # hand + gripper; 2 object poses, 2 frames
+FIRST_OBJECT = slice(4, 7)  # the first object's position
+SEES_OBJECT = ".object"  # a task name ending so gives the policy FIRST_OBJECT among its inputs
 SUITES = ("MT10", "MT50")  # multi-task sets: one task per episode, drawn from the reset's seed
 MESH_CELL_96 = 0.01  # m: the mesh clustering grid for 96 px frames (about a pixel at the table)
 # tasks whose scripted policy grasps the first object and lifts it on the way to the goal: their failed
@@ -76,6 +80,13 @@ def suite_tasks(name: str) -> list[str]:
 
         return list(getattr(env_dict, f"{name}_V3"))
     return [name]
+
+
+def split_name(env_id: str) -> tuple[str, bool]:
+    """Meta-World's task (or suite) name in a task id, and whether the policy sees the first object:
+    "metaworld/pick-place-v3.object" -> ("pick-place-v3", True)."""
+    name = env_id.removeprefix(PREFIX)
+    return name.removesuffix(SEES_OBJECT), name.endswith(SEES_OBJECT)
 
 
 def instruction(name: str) -> str:
@@ -197,7 +208,7 @@ class MetaWorldExpert(Expert):
         from metaworld.policies import ENV_POLICY_MAP
 
         super().__init__(task)
-        self.tasks = suite_tasks(task.env_id.removeprefix(PREFIX))
+        self.tasks = suite_tasks(split_name(task.env_id)[0])
         self.policies = [ENV_POLICY_MAP[name]() for name in self.tasks]
 
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
@@ -231,12 +242,13 @@ class MetaWorldExpert(Expert):
 
 
 def metaworld_task(env_id: str) -> ExternalTask:
-    """The ExternalTask for `metaworld/<task>` or a suite `metaworld/MT10` (`metaworld/MT50`), its
-    gymnasium id registered; ValueError for a name Meta-World does not have (with the closest one),
-    ImportError without Meta-World."""
+    """The ExternalTask for `metaworld/<task>` or a suite `metaworld/MT10` (`metaworld/MT50`), either
+    with `.object` appended for a policy that sees the first object's position, its gymnasium id
+    registered; ValueError for a name Meta-World does not have (with the closest one), ImportError
+    without Meta-World."""
     if not installed():
         raise ImportError(f"task {env_id} comes from Meta-World, which is not installed: {INSTALL}")
-    name = env_id.removeprefix(PREFIX)
+    name, sees_object = split_name(env_id)
     names = [*task_names(), *SUITES]
     if name not in names:
         hint = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
@@ -254,6 +266,9 @@ def metaworld_task(env_id: str) -> ExternalTask:
             max_episode_steps=MAX_EPISODE_STEPS,
             disable_env_checker=True,  # its bounds are infinite for object poses, which the checker warns of
         )
+    proprio = [("hand", OBSERVATION, HAND.start, HAND.stop), ("goal", OBSERVATION, GOAL.start, GOAL.stop)]
+    if sees_object:
+        proprio.append(("object", OBSERVATION, FIRST_OBJECT.start, FIRST_OBJECT.stop))
     privileged = [("objects", OBSERVATION, OBJECTS.start, OBJECTS.stop)]
     if name in SUITES:  # which task the episode is: the expert's to know, the policy reads the instruction
         privileged.append(("task", OBSERVATION, GOAL.stop, GOAL.stop + len(tasks)))
@@ -263,7 +278,7 @@ def metaworld_task(env_id: str) -> ExternalTask:
     return ExternalTask(
         env_id=env_id,
         instruction=" ".join(words),
-        proprio=(("hand", OBSERVATION, HAND.start, HAND.stop), ("goal", OBSERVATION, GOAL.start, GOAL.stop)),
+        proprio=tuple(proprio),
         privileged=tuple(privileged),
         robot_type="sawyer",
         instruction_from_info=True,

@@ -116,6 +116,27 @@ def test_the_scripted_policy_solves_scenes_and_takes_over_from_a_stray_state():
     env.close()
 
 
+def test_the_object_variant_puts_the_first_object_among_the_policys_inputs():
+    plain, seen = sim.make(TASK), sim.make(TASK + ".object")
+    assert seen.get_wrapper_attr("proprio_dim") == plain.get_wrapper_attr("proprio_dim") + 3 == 10
+    layout = seen.get_wrapper_attr("state_layout")
+    assert list(layout) == ["hand", "goal", "object", "objects"]  # proprio first: the policy reads 10
+    plain_objects = plain.get_wrapper_attr("state_layout")["objects"]
+    expert = expert_for(TASK + ".object")
+    for seed in (0, 1):
+        p, _ = plain.reset(seed=seed)
+        s, info = seen.reset(seed=seed)
+        assert info["instruction"] == "pick place"
+        puck = p["state"][plain_objects][:3]
+        np.testing.assert_array_equal(s["state"][layout["object"]], puck)  # the same scene, the puck seen
+        np.testing.assert_array_equal(s["state"][layout["objects"]], p["state"][plain_objects])
+        np.testing.assert_array_equal(expert.act(seen), expert_for(TASK).act(plain))
+    with pytest.raises(ConfigError, match="no task 'pick-plce-v3'"):
+        load_config("pretrain/vla", ["data.task=metaworld/pick-plce-v3.object"])
+    plain.close()
+    seen.close()
+
+
 def expert_states(task: str, seed: int = 0) -> np.ndarray:
     """The privileged states of the scripted policy's episode from reset `seed` (T+1, 39)."""
     env = sim.make(task)
