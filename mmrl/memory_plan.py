@@ -219,8 +219,13 @@ class MemoryPlan:
     def peak_bytes(self) -> int:
         """The largest phase plus every weight outside it and what is held throughout: the expected peak
         allocation of a process."""
+        return self.peak_bytes_of(self.phases)
+
+    def peak_bytes_of(self, phases: Iterable[str]) -> int:
+        """The expected peak of a run that goes through only `phases` (e.g. training without its
+        evaluations)."""
         held = sum(self.other_weights.values()) + sum(self.held.values())
-        return held + self.phases[self.peak_phase].total
+        return held + max(self.phases[name].total for name in phases)
 
     def as_dict(self) -> dict[str, object]:
         peak = self.phases[self.peak_phase]

@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from diffusion_rl.models import FlowPipeline
 from mmrl.cli import load_plugins, main
 from mmrl.config import load_config
-from mmrl.memory_plan import LiveTensorBytes, fused_attention_on_meta
+from mmrl.memory_plan import LiveTensorBytes, MemoryPlan, PhasePeak, fused_attention_on_meta
 from mmrl.registry import REPLICAS, TRAINERS
 
 load_plugins()
@@ -83,6 +83,14 @@ def test_meta_tensors_count_what_the_same_cpu_update_allocates(replicas):
             ).square().mean().backward()
         peaks[device] = tracker.peak
     assert peaks["meta"] == peaks["cpu"] > 0
+
+
+def test_a_run_that_skips_a_phase_is_planned_without_it():
+    """`mmrl bench gpu` times training steps that never evaluate: their peak leaves evaluation out."""
+    phases = {"update": PhasePeak(10, 20, 100), "evaluation (4 prompts)": PhasePeak(10, 20, 300)}
+    plan = MemoryPlan("r", 1, 0, 0, 0, other_weights={"vae": 7}, phases=phases, held={"buffer": 3})
+    assert plan.peak_phase == "evaluation (4 prompts)" and plan.peak_bytes == 330 + 10
+    assert plan.peak_bytes_of(["update"]) == 130 + 10
 
 
 def test_a_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
