@@ -457,10 +457,14 @@ def test_bad_config_values_name_the_key(override, message):
         load_config("vla/habc", [override])
 
 
-def test_missing_policy_says_to_pretrain_first(tmp_path):
-    config = load_config("vla/habc", [f"model.path={tmp_path / 'nothing'}", f"output_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"model.path = .*run `mmrl pretrain vla` first"):
-        VLAHABCTrainer(config)
+def test_a_missing_policy_names_the_directories_that_hold_one(tmp_path):
+    """Training and its plan alike, for our policies and LeRobot's (vla/smolvla_habc)."""
+    hint = r"holds no policy.*`mmrl pretrain vla`.*`mmrl replica smolvla`"
+    for recipe in ("vla/habc", "vla/smolvla_habc"):
+        config = load_config(recipe, [f"model.path={tmp_path / 'nothing'}", f"output_dir={tmp_path / 'run'}"])
+        for make in (VLAHABCTrainer, lambda c, r=recipe: VLAHABCTrainer.memory_plan(c, r, 1)):
+            with pytest.raises(ConfigError, match=hint):
+                make(config)
     assert not (tmp_path / "run").exists()
 
 

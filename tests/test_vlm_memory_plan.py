@@ -98,11 +98,13 @@ def test_the_plan_bounds_what_a_cpu_iteration_allocates(tmp_path):
 
 def test_the_3b_recipe_plans_on_its_replica(tmp_path, capsys):
     replica = REPLICAS.get("qwen25vl_3b")(tmp_path / "replica")
-    assert main(["train", "vlm/qwen25vl_3b_tool_grpo", "--dry-run", f"model.path={replica}"]) == 0
+    run = tmp_path / "run"
+    args = ["train", "vlm/qwen25vl_3b_tool_grpo", "--dry-run", f"model.path={replica}", f"output_dir={run}"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "rollout (vLLM engine)" in out and "update (4 conversations)" in out
     assert "vllm_gpu_memory_fraction = 0.3" in out
-    assert not (tmp_path / "runs").exists()
+    assert not run.exists()  # a plan writes nothing
 
 
 @pytest.mark.parametrize("overrides", [["rollout.backend=transformers"]])

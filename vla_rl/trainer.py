@@ -133,6 +133,24 @@ def demo_frames(dataset: RobotDataset, horizon: int) -> dict[str, Tensor]:
     }
 
 
+def check_policy_dir(config: VLAHABCConfig) -> bool:
+    """A ConfigError unless model.path holds a policy (ours, or a LeRobot one this environment can
+    run); whether it is LeRobot's."""
+    path = shipped_path(config.model.path)
+    missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(
+            f"config error: model.path = {config.model.path!r} holds no policy "
+            f"({' or '.join(missing)} missing): set it to a directory written by VLAPolicy.save_pretrained "
+            "(RUN/policy of `mmrl pretrain vla`) or to a LeRobot policy directory (pretrained_model/ of "
+            "`lerobot-train`; a tiny SmolVLA from `mmrl replica smolvla`, in the LeRobot environment)"
+        )
+    lerobot = is_lerobot_policy_dir(path)
+    if lerobot:
+        check_lerobot_run(config, path)
+    return lerobot
+
+
 @TRAINERS.register("vla_habc")
 class VLAHABCTrainer(Trainer):
     """Online fine-tuning of a pretrained VLAPolicy with HABC or a baseline (see the module docstring)."""
@@ -141,24 +159,12 @@ class VLAHABCTrainer(Trainer):
     config: VLAHABCConfig
 
     def __init__(self, config: VLAHABCConfig, accelerator: Accelerator | None = None) -> None:
-        path = shipped_path(config.model.path)
-        missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (path / name).is_file()]
-        if missing:
-            raise ConfigError(
-                f"config error: model.path = {config.model.path!r} holds no policy "
-                f"({' or '.join(missing)} missing): run `mmrl pretrain vla` first, or set model.path "
-                "to a directory written by VLAPolicy.save_pretrained"
-            )
-        self.lerobot = is_lerobot_policy_dir(path)
-        if self.lerobot:
-            check_lerobot_run(config, path)
+        self.lerobot = check_policy_dir(config)
         super().__init__(config, accelerator)
 
     @classmethod
     def memory_plan(cls, config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
-        path = shipped_path(config.model.path)
-        if is_lerobot_policy_dir(path):
-            check_lerobot_run(config, path)
+        check_policy_dir(config)
         return habc_memory_plan(config, recipe, processes)
 
     # ----- setup -----------------------------------------------------------------------------
