@@ -138,13 +138,15 @@ RECIPES = {
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_each_real_model_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, recipe):
+def test_each_real_model_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, recipe, capsys):
     name, sizes = RECIPES[recipe]
     config = load_config(
         recipe, [*replica_run(replicas, name, tmp_path), f"output_dir={tmp_path / 'run'}", *sizes]
     )
     assert config.model.lora_rank > 0
     result = TRAINERS.get(config.trainer)(config).train()
+    # its batch sizes are per process, for 8 GPUs: one process is told that its effective batch differs
+    assert "written for 8 process(es); on 1 the effective batch differs" in capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and torch.isfinite(torch.tensor(rows[0]["loss"]))
     evals = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -162,7 +164,7 @@ REAL_MODEL_RECIPES = {*RECIPES, *VLM_RECIPES, *LEROBOT_RECIPES}
 
 
 @pytest.mark.parametrize("recipe", sorted(VLM_RECIPES))
-def test_the_vlm_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, recipe):
+def test_the_vlm_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, recipe, capsys):
     config = load_config(
         recipe,
         [
@@ -181,6 +183,7 @@ def test_the_vlm_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, rec
     )
     assert config.rollout.system_prompt  # a real model is told about the tool
     TRAINERS.get(config.trainer)(config).train()
+    assert "written for 8 process(es); on 1 the effective batch differs" in capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and all(
         torch.isfinite(torch.tensor(v)) for v in rows[0].values() if isinstance(v, float)
