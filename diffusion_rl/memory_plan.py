@@ -11,6 +11,7 @@ every sample to pixels, and a held-out evaluation's chunk of prompts (a model ca
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from mmrl.config import ConfigError
 from mmrl.memory_plan import (
     MemoryPlan,
     human_bytes,
+    largest_blocks,
     measure_phase,
     parameter_count,
     per_process_sizes,
@@ -128,8 +130,11 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
             velocity(eval_rows, config.eval.guidance_scale)
             pipe.decode(torch.empty(eval_rows, *pipe.latent_shape(), device="meta"))
 
+    gradients = sum(p.numel() * p.element_size() for p in trained)
     phases = {
-        f"update ({t.micro_batch} rows)": measure_phase(update, denoiser, optimizer, config.optimizer),
+        f"update ({t.micro_batch} rows)": replace(
+            measure_phase(update, denoiser, optimizer, config.optimizer), gradients=gradients
+        ),
         f"rollout step ({call_rows} rows)": measure_phase(rollout, denoiser, optimizer, config.optimizer),
         f"decode ({call_rows} images)": measure_phase(decode, denoiser, optimizer, config.optimizer),
         f"evaluation ({eval_rows} prompts)": measure_phase(evaluate, denoiser, optimizer, config.optimizer),
@@ -180,10 +185,11 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         processes=processes,
         parameters=parameter_count([denoiser, *frozen]),
         trainable=parameter_count([denoiser], trainable=True),
-        gradients=sum(p.numel() * p.element_size() for p in trained),
+        gradients=gradients,
         other_weights=other,
         phases=phases,
         work=work,
         batch=batch,
         warnings=warnings,
+        blocks=largest_blocks(denoiser),
     )

@@ -33,6 +33,7 @@ from mmrl.config import (
     read_yaml,
     resolve_config_path,
 )
+from mmrl.memory_plan import LaunchConfig
 from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, REPLICAS, TRAINERS, UnknownNameError
 from mmrl.trainer import TrainingStopped
 
@@ -165,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--processes", type=int, default=None, metavar="N", help="with --dry-run: plan for N processes"
+    )
+    train.add_argument(
+        "--launch",
+        default=None,
+        metavar="FILE",
+        help="with --dry-run: plan for the Accelerate config FILE you will launch with "
+        "(configs/accelerate/*.yaml): its processes, FSDP sharding and mixed precision",
     )
     add_command(
         sub,
@@ -311,15 +319,32 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     config = load_checked_config(args.config, overrides)
-    processes = getattr(args, "processes", None)
+    processes, launch_file = getattr(args, "processes", None), getattr(args, "launch", None)
     if getattr(args, "dry_run", False):
+        launch = None
+        if launch_file is not None:
+            try:
+                launch = LaunchConfig.from_file(launch_file)
+            except ValueError as err:
+                raise ConfigError(f"--launch: {err}") from None
+            if processes is not None and processes != launch.processes:
+                raise ConfigError(
+                    f"--processes {processes} but {launch_file} launches {launch.processes}: give one of them"
+                )
+            processes = launch.processes
         processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
         if processes < 1:
             raise ConfigError(f"--processes {processes}: give a number of processes of at least 1")
-        print(TRAINERS.get(config.trainer).memory_plan(config, args.config, processes).format())
+        plan = TRAINERS.get(config.trainer).memory_plan(config, args.config, processes)
+        if launch is not None:
+            try:
+                plan = plan.sharded(launch)
+            except ValueError as err:
+                raise ConfigError(f"--launch {launch_file}: {err}") from None
+        print(plan.format())
         return 0
-    if processes is not None:
-        raise ConfigError("--processes plans a run for N processes: use it with --dry-run")
+    if processes is not None or launch_file is not None:
+        raise ConfigError("--processes and --launch plan a run: use them with --dry-run")
     trainer = TRAINERS.get(config.trainer)(config)
     accelerator, is_main = trainer.accelerator, trainer.is_main
     try:

@@ -21,10 +21,12 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -70,11 +72,13 @@ class LiveTensorBytes(TorchDispatchMode):
 @dataclass
 class PhasePeak:
     """A phase's peak: the trained module's weights and optimizer states it was given, and the most
-    bytes its own tensors (activations, gradients, temporaries) held at once."""
+    bytes its own tensors (activations, gradients, temporaries) held at once, of which `gradients` are
+    the trained module's gradients (an update's)."""
 
     weights: int
     optimizer: int
     transient: int
+    gradients: int = 0
 
     @property
     def total(self) -> int:
@@ -194,6 +198,16 @@ def parameter_count(modules: Iterable[torch.nn.Module], trainable: bool = False)
     return total
 
 
+def largest_blocks(module: torch.nn.Module) -> dict[str, int]:
+    """Parameter count of the largest submodule of each class in `module`, by class name: what FSDP
+    gathers at once for a block it wraps by that class."""
+    counts: dict[str, int] = {}
+    for sub in module.modules():
+        name = type(sub).__name__
+        counts[name] = max(counts.get(name, 0), parameter_count([sub]))
+    return counts
+
+
 @dataclass
 class MemoryPlan:
     """One process's memory and work for an iteration of a recipe, and its batch on `processes`."""
@@ -210,6 +224,8 @@ class MemoryPlan:
     work: dict[str, str] = field(default_factory=dict)  # per iteration
     batch: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    blocks: dict[str, int] = field(default_factory=dict)  # the trained module's `largest_blocks`
+    notes: list[str] = field(default_factory=list)
 
     @property
     def peak_phase(self) -> str:
@@ -248,6 +264,7 @@ class MemoryPlan:
             "work_per_iteration": dict(self.work),
             "batch": list(self.batch),
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
         }
 
     def format(self) -> str:
@@ -274,8 +291,115 @@ class MemoryPlan:
             "batch:",
             *(f"  {line}" for line in self.batch),
         ]
+        lines += [f"note: {line}" for line in self.notes]
         lines += [f"warning: {line}" for line in self.warnings]
         return "\n".join(lines)
+
+    def sharded(self, launch: LaunchConfig) -> MemoryPlan:
+        """This plan on `launch`'s processes. With FSDP every process holds 1/N of the trained module's
+        weights (its frozen parts included), gradients and optimizer states, and gathers whole blocks
+        of the wrapped classes in the compute dtype for each model call (two at once while the next
+        is prefetched; every block when the run does not reshard after forward). Weights outside the
+        trained module (frozen encoders, reward models, reference and EMA copies) stay whole."""
+        n = launch.processes
+        plan = replace(self, processes=n, held=dict(self.held), notes=list(self.notes))
+        if not launch.fsdp:
+            return plan
+        if not self.blocks:
+            raise ValueError("this trainer's plan cannot be sharded: it trains in one process")
+        missing = [name for name in launch.wrap_classes if name not in self.blocks]
+        if missing:
+            known = sorted(name for name in self.blocks if name.endswith(("Block", "Layer")))
+            raise ValueError(
+                f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which the model does not "
+                f"have; its block classes: {', '.join(known) or 'none'}"
+            )
+        plan.phases = {
+            name: PhasePeak(
+                phase.weights // n,
+                phase.optimizer // n,
+                phase.transient - phase.gradients + phase.gradients // n,
+                phase.gradients // n,
+            )
+            for name, phase in self.phases.items()
+        }
+        plan.gradients = self.gradients // n
+        whole = self.trained_module_parameters()
+        element = launch.compute_bytes or round(self.phases[self.peak_phase].weights / whole)
+        if launch.reshard_after_forward:
+            gathered = 2 * max(self.blocks[name] for name in launch.wrap_classes)
+        else:
+            gathered = whole
+        plan.held["FSDP gathered blocks"] = gathered * element
+        plan.notes.append(
+            f"FSDP over {n} processes: the trained module's weights, gradients and optimizer states are "
+            "1/N each; weights outside it are whole in every process"
+        )
+        if launch.compute_bytes == 2:
+            plan.notes.append(
+                f"{launch.mixed_precision} mixed precision: activations are planned in float32, most of "
+                "them are half that"
+            )
+        if launch.offload_params:
+            plan.notes.append("fsdp_offload_params: the sharded states above live in CPU memory instead")
+        return plan
+
+    def trained_module_parameters(self) -> int:
+        """Parameters of the trained module, frozen parts included (its own entry in `blocks`)."""
+        return max(self.blocks.values(), default=0)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What `mmrl train --dry-run --launch FILE` reads from an Accelerate config file."""
+
+    processes: int
+    fsdp: bool = False
+    wrap_classes: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    offload_params: bool = False
+    mixed_precision: str = "no"
+
+    @property
+    def compute_bytes(self) -> int | None:
+        """Bytes per element of the weights a model call uses (None: the stored dtype's)."""
+        return 2 if self.mixed_precision in ("bf16", "fp16") else None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LaunchConfig:
+        """Read `accelerate launch --config_file` YAML; ValueError for a file that is not one."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(
+                f"{path} is not a file; give an Accelerate config such as configs/accelerate/*.yaml"
+            )
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path} is not YAML: {' '.join(str(err).split())}") from None
+        if not isinstance(data, dict) or "num_processes" not in data:
+            raise ValueError(f"{path} has no num_processes: it is not an Accelerate config")
+        processes = data["num_processes"]
+        if not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"{path}: num_processes = {processes!r}; give a whole number of at least 1")
+        fsdp = data.get("distributed_type") == "FSDP"
+        options = data.get("fsdp_config") or {}
+        wrap = options.get("fsdp_transformer_layer_cls_to_wrap") or ()
+        wrap = tuple(part.strip() for part in wrap.split(",")) if isinstance(wrap, str) else tuple(wrap)
+        if fsdp and not wrap:
+            raise ValueError(
+                f"{path}: FSDP without fsdp_transformer_layer_cls_to_wrap; name the blocks to shard by"
+            )
+        strategy = str(options.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+        reshard = options.get("fsdp_reshard_after_forward", strategy not in ("SHARD_GRAD_OP", "2"))
+        return cls(
+            processes=processes,
+            fsdp=fsdp,
+            wrap_classes=wrap,
+            reshard_after_forward=bool(reshard),
+            offload_params=bool(options.get("fsdp_offload_params", False)),
+            mixed_precision=str(data.get("mixed_precision", "no")),
+        )
 
 
 def human_bytes(size: int) -> str:

@@ -11,7 +11,14 @@ from torch.profiler import ProfilerActivity, profile
 from diffusion_rl.models import FlowPipeline
 from mmrl.cli import load_plugins, main
 from mmrl.config import load_config
-from mmrl.memory_plan import LiveTensorBytes, MemoryPlan, PhasePeak, fused_attention_on_meta
+from mmrl.memory_plan import (
+    LaunchConfig,
+    LiveTensorBytes,
+    MemoryPlan,
+    PhasePeak,
+    fused_attention_on_meta,
+    largest_blocks,
+)
 from mmrl.registry import REPLICAS, TRAINERS
 
 load_plugins()
@@ -93,6 +100,44 @@ def test_a_run_that_skips_a_phase_is_planned_without_it():
     assert plan.peak_bytes_of(["update"]) == 130 + 10
 
 
+def test_fsdp_shards_the_trained_module_and_gathers_its_blocks(replicas, tmp_path, capsys):
+    """`--launch` with the recipe's FSDP config: 1/N of the denoiser's weights, gradients and optimizer
+    states per process, two wrapped blocks gathered in bfloat16, the frozen encoders whole."""
+    config = run_config("diffusion/sd35m_pickscore_lora", replicas, tmp_path)
+    whole = TRAINERS.get(config.trainer).memory_plan(config, "sd35m", 8)
+    launch = LaunchConfig.from_file("configs/accelerate/fsdp_1node_8gpu_sd3.yaml")
+    assert (launch.processes, launch.fsdp, launch.wrap_classes) == (8, True, ("JointTransformerBlock",))
+    plan = whole.sharded(launch)
+    with torch.device("meta"):
+        denoiser = FlowPipeline.from_configs(replicas["sd35m"]).denoiser
+    block = whole.blocks["JointTransformerBlock"]  # with its LoRA layers
+    assert largest_blocks(denoiser)["JointTransformerBlock"] < block < whole.trained_module_parameters()
+    assert plan.held["FSDP gathered blocks"] == 2 * block * 2  # this one and the prefetched one, bf16
+    for name, phase in whole.phases.items():
+        assert plan.phases[name].weights == phase.weights // 8
+        assert plan.phases[name].optimizer == phase.optimizer // 8
+    update = next(name for name in whole.phases if name.startswith("update"))
+    assert whole.phases[update].gradients == whole.gradients > 0
+    shrink = whole.gradients - whole.gradients // 8
+    assert plan.phases[update].transient == whole.phases[update].transient - shrink
+    assert plan.other_weights == whole.other_weights  # text encoders, VAE, reward models: not sharded
+    assert plan.peak_bytes < whole.peak_bytes
+    ddp = LaunchConfig.from_file("configs/accelerate/ddp_1node_8gpu.yaml")
+    assert not ddp.fsdp and whole.sharded(ddp).phases == whole.phases
+    flux_blocks = "FluxSingleTransformerBlock, which the model does not have; its block classes: Joint"
+    with pytest.raises(ValueError, match=flux_blocks):
+        whole.sharded(LaunchConfig.from_file("configs/accelerate/fsdp_1node_8gpu_flux.yaml"))
+    # on the command line the launch file sets the processes
+    args = ["train", "diffusion/sd35m_pickscore_lora", "--dry-run", *replica_run(replicas, "sd35m", tmp_path)]
+    assert main([*args, "--launch", "configs/accelerate/fsdp_1node_8gpu_sd3.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "on 8 process(es)" in out and "FSDP gathered blocks" in out and "note: FSDP over 8" in out
+    assert main([*args, "--launch", "configs/accelerate/fsdp_1node_8gpu_sd3.yaml", "--processes", "2"]) == 2
+    assert "--processes 2 but" in capsys.readouterr().err
+    assert main([*args, "--launch", str(tmp_path / "none.yaml")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+
+
 def test_a_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "diffusion/nft", f"output_dir={out}", "--dry-run"]) == 0
@@ -125,7 +170,7 @@ def test_a_run_on_another_number_of_processes_than_the_recipe_s_warns(replicas, 
 
 def test_dry_run_mistakes_are_one_line_errors(tmp_path, capsys):
     assert main(["train", "diffusion/nft", f"output_dir={tmp_path / 'a'}", "--processes", "2"]) == 2
-    assert "use it with --dry-run" in capsys.readouterr().err
+    assert "use them with --dry-run" in capsys.readouterr().err
     assert main(["train", "pretrain/vla", f"output_dir={tmp_path / 'b'}", "--dry-run"]) == 2
     assert "the vla_bc trainer has no memory plan yet; trainers with one: " in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

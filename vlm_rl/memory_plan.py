@@ -15,6 +15,7 @@ engine's weights and cache instead), and an evaluation chunk like a rollout.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from mmrl.memory_plan import (
     MemoryPlan,
     PhasePeak,
     RealIndicesOnMeta,
+    largest_blocks,
     measure_phase,
     optimizer_state_bytes,
     parameter_count,
@@ -96,8 +98,11 @@ def tool_grpo_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     eval_rows = min(config.data.heldout_size, rollout_rows)
     with RealIndicesOnMeta():
         update()  # the first step creates the optimizer's states, which every later phase holds
+    gradients = sum(p.numel() * p.element_size() for p in trained)
     phases = {
-        f"update ({t.micro_batch} conversations)": measure_phase(update, model, optimizer, config.optimizer)
+        f"update ({t.micro_batch} conversations)": replace(
+            measure_phase(update, model, optimizer, config.optimizer), gradients=gradients
+        )
     }
     other: dict[str, int] = {}
     if reference is not None:
@@ -139,10 +144,11 @@ def tool_grpo_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         processes=processes,
         parameters=parameter_count([model]),
         trainable=parameter_count([model], trainable=True),
-        gradients=sum(p.numel() * p.element_size() for p in trained),
+        gradients=gradients,
         other_weights=other,
         phases=phases,
         work=work,
         batch=batch,
         warnings=warnings,
+        blocks=largest_blocks(model),
     )
