@@ -52,14 +52,18 @@ def update_peak(adapter: VLMAdapter, checkpointing: bool = False) -> int:
     return tracker.peak
 
 
-def test_on_meta_the_update_holds_what_it_holds_on_a_cpu():
-    path = shipped_path(DEFAULT_MODEL)
+@pytest.mark.parametrize("model", ["shipped", "qwen25vl_3b"])
+def test_on_meta_the_update_holds_what_it_holds_on_a_cpu(model, tmp_path):
+    """The shipped tiny VLM, and the Qwen2.5-VL-3B recipe's replica (the real model's classes)."""
+    path = shipped_path(DEFAULT_MODEL) if model == "shipped" else REPLICAS.get(model)(tmp_path / "replica")
     on_cpu = update_peak(VLMAdapter.from_pretrained(path))
     on_meta = update_peak(meta_adapter(path))
     # a little more on meta: token ids and masks sent to the device are copies there, as on a GPU,
     # where a CPU run keeps them in place; on a tiny model their share is not negligible
-    assert on_cpu <= on_meta < 1.1 * on_cpu
-    assert update_peak(meta_adapter(path), checkpointing=True) < on_meta / 2
+    # the replica is within the plans' 20%; checkpointing cuts less of it (its blocks are few)
+    bound, checkpointed = (1.1, 0.5) if model == "shipped" else (1.2, 0.6)
+    assert on_cpu <= on_meta < bound * on_cpu
+    assert update_peak(meta_adapter(path), checkpointing=True) < checkpointed * on_meta
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
