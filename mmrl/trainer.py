@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import random
 import sys
 import warnings
@@ -69,6 +70,11 @@ def build_optimizer(
     return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
 
 
+def fsdp_launch() -> bool:
+    """Whether `accelerate launch` was given an FSDP config (it says so in the environment)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+
+
 class Trainer:
     config_class: ClassVar[type[BaseConfig]] = BaseConfig
 
@@ -85,6 +91,12 @@ class Trainer:
             )
         # without CUDA, processes started by `accelerate launch --multi_gpu` / torchrun join over gloo
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        if accelerator is None and not torch.cuda.is_available() and fsdp_launch() and self.is_main:
+            print(
+                "warning: the launch config asks for FSDP, which Accelerate runs on CUDA only: here the "
+                "processes run DDP over gloo, each holding the whole model",
+                file=sys.stderr,
+            )
         self.run_dir = Path(config.output_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.samples_dir = self.run_dir / "samples"

@@ -150,3 +150,18 @@ def test_a_paused_rank_is_reported_by_the_one_waiting_for_it(tmp_path):
     lines = [line for line in stderr.splitlines() if "has waited" in line]
     assert lines and all("process 0 of 2" in line for line in lines), stderr[-3000:]
     assert "collective_warn_seconds = 2" in lines[0]
+
+
+def test_an_fsdp_launch_without_cuda_says_it_runs_ddp(tmp_path):
+    """Accelerate runs FSDP on CUDA only: a CPU launch with an FSDP config must not pass for a sharded run."""
+    code = (
+        "from mmrl.cli import load_plugins; from mmrl.config import load_config; "
+        "from mmrl.registry import TRAINERS; load_plugins(); "
+        f"c = load_config('core/tiny_grpo', {[*TINY, f'output_dir={tmp_path}']!r}); "
+        "t = TRAINERS.get(c.trainer)(c); print(t.accelerator.distributed_type)"
+    )
+    for fsdp, said in (("true", True), ("false", False)):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": fsdp}
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert ("FSDP, which Accelerate runs on CUDA only" in run.stderr) is said, run.stderr[-1000:]
