@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+
+from mmrl.config import read_yaml
 
 GIB = 2**30
 
@@ -373,11 +374,8 @@ class LaunchConfig:
             raise ValueError(
                 f"{path} is not a file; give an Accelerate config such as configs/accelerate/*.yaml"
             )
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path} is not YAML: {' '.join(str(err).split())}") from None
-        if not isinstance(data, dict) or "num_processes" not in data:
+        data = read_yaml(path)  # a ConfigError (a ValueError) for a file that is not YAML
+        if "num_processes" not in data:
             raise ValueError(f"{path} has no num_processes: it is not an Accelerate config")
         processes = data["num_processes"]
         if not isinstance(processes, int) or processes < 1:
