@@ -10,9 +10,9 @@ ranges), so that training and held-out seeds see different scenes; the goal posi
 policy sees the camera frame (turned upright), the hand position, the gripper opening and the goal
 (`proprio`); the object poses are privileged (experts, critics), unless the task is named with
 `.object` (`metaworld/pick-place-v3.object`), where the policy also sees the first object's position,
-as state-based Meta-World agents do. The instruction is the task's name
-in words ("pick place wall"). Episodes end on success or after `MAX_EPISODE_STEPS` steps (Meta-World's
-own limit is 500; its experts succeed within about 50-220 steps on the tasks tried).
+as state-based Meta-World agents do. The instruction is the task's name in words ("pick place
+wall"). Episodes end on success or after `MAX_EPISODE_STEPS` steps (Meta-World's own limit is 500;
+its experts succeed within about 50-220 steps on the tasks tried).
 
 Frames are drawn from a copy of the model whose meshes are simplified to about a pixel's footprint
 (`sim.render.coarse_meshes`, a grid of `MESH_CELL_96` metres at 96 px, finer for larger frames): the
