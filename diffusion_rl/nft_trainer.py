@@ -26,6 +26,7 @@ Every draw is keyed by (seed, step, ...), so a resumed run repeats exactly.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -64,6 +65,13 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         r = cfg.rollout
         self.advantage_fn = ADVANTAGES.get(cfg.train.advantage)
         self.loss_fn = LOSSES.get(cfg.train.loss)
+        if cfg.eval.guidance_scale != r.guidance_scale and self.is_main:
+            print(
+                f"warning: DiffusionNFT trains the model as it samples, at rollout.guidance_scale = "
+                f"{r.guidance_scale:g}; the held-out evaluation at eval.guidance_scale = "
+                f"{cfg.eval.guidance_scale:g} scores a sampler it never trained (set both alike)",
+                file=sys.stderr,
+            )
         # a group is a depth-1 tree whose children start from their own initial noise
         self.sampling = RolloutConfig(
             prompts_per_step=r.prompts_per_step,

@@ -76,6 +76,17 @@ def test_solvers_sample_groups_and_train(model_dir, tmp_path, overrides, nfe):
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.trained_params, strict=True))
 
 
+@pytest.mark.parametrize("eval_guidance, warned", [("1.0", False), ("3.0", True)])
+def test_an_evaluation_at_another_guidance_than_the_rollouts_is_warned(
+    model_dir, tmp_path, capsys, eval_guidance, warned
+):
+    """The update trains the sampler of `rollout.guidance_scale`; a held-out score at another guidance
+    measures a sampler that was never trained, so the run says so."""
+    trainer_for(model_dir, tmp_path, "rollout.guidance_scale=1.0", f"eval.guidance_scale={eval_guidance}")
+    err = capsys.readouterr().err
+    assert ("eval.guidance_scale = 3 scores a sampler it never trained" in err) == warned
+
+
 def test_samples_come_from_the_old_policy(model_dir, tmp_path, monkeypatch):
     """With the old policy away from the trained weights, a step samples with the old policy's weights,
     and the trained weights are back in place for the update."""
