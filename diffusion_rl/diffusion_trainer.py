@@ -247,7 +247,8 @@ class DiffusionTrainer(Trainer):
             if gold["name"] in trained:
                 raise ConfigError(
                     f"config error: eval.gold_reward.name = {gold['name']!r} is also a trained reward "
-                    f"({', '.join(trained)}): a gold reward must be one the run never trains on"
+                    f"({', '.join(trained)}): a gold reward must be one the run never trains on (set "
+                    "eval.gold_reward to another reward, or to null)"
                 )
             self.gold_reward_fn = build_reward(gold["name"], gold["options"], "eval.gold_reward.")
         model_dir = resolve_model_path(cfg.model.path)
