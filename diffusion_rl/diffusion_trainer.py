@@ -445,6 +445,35 @@ class DiffusionTrainer(Trainer):
             metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))
         return metrics
 
+    def superseded_result(self) -> tuple[Path, Path] | None:
+        """(`final/`, where it moves) when this launch continues the run past an earlier result: a run
+        killed before its new end must not leave the earlier model under the name of the run's result."""
+        start = self.resume_from.step if self.resume_from is not None else 0
+        final = self.run_dir / "final"
+        if not final.exists() or start >= self.config.steps:
+            return None
+        return final, self.run_dir / f"final-before-step-{start:08d}"
+
+    def prepare_run_dir(self) -> None:
+        super().prepare_run_dir()
+        moved = self.superseded_result()
+        if moved is not None and moved[1].exists():
+            raise ConfigError(
+                f"{moved[0]} is the result of an earlier launch and {moved[1]} exists too: move one of "
+                "them out of the run directory before continuing the run"
+            )
+
+    def start_run_dir(self) -> None:
+        super().start_run_dir()
+        moved = self.superseded_result()
+        if self.is_main and moved is not None:
+            moved[0].rename(moved[1])
+            print(
+                f"moved {moved[0]} to {moved[1]}: this launch continues the run to step "
+                f"{self.config.steps} and writes a new final/ when it gets there",
+                file=sys.stderr,
+            )
+
     def train(self) -> dict[str, Any]:
         result = super().train()
         if self.is_main:

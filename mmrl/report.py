@@ -36,8 +36,10 @@ MIME = {
     ".mp4": "video/mp4",
     ".webm": "video/webm",
 }
-# Directories of a run that hold model state or other tools' output, never samples to show.
+# Directories of a run that hold model state or other tools' output, never samples to show (with
+# `final-before-step-N/`, an earlier result set aside when a run continues past it).
 SKIPPED_DIRS = {"checkpoints", "tensorboard", "final", "__pycache__"}
+SKIPPED_PREFIXES = (".", "final-before-step-")
 MAX_IMAGES = 48  # sample images embedded (spread over the run when there are more)
 MAX_VIDEOS = 8  # GIFs and videos embedded
 MAX_FILE_BYTES = 8 * 2**20  # one media file larger than this is listed, not embedded
@@ -352,7 +354,7 @@ def _run_files(run: Path, suffixes: tuple[str, ...]) -> list[Path]:
     (checkpoints can be large trees) or hidden folders."""
     found = []
     for root, dirs, files in os.walk(run):
-        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.startswith(".")]
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.startswith(SKIPPED_PREFIXES)]
         found += [Path(root, f) for f in files if f.lower().endswith(suffixes)]
     return sorted(found, key=_natural_key)
 

@@ -471,3 +471,40 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
     resumed_rows, resumed = run(tmp_path / "stopped", 4, "resume=true")
     assert resumed_rows == straight_rows
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+def test_a_run_continued_past_its_result_sets_the_earlier_result_aside(model_dir, tmp_path, monkeypatch):
+    """A launch that continues a finished run and dies before its new end leaves no `final/`: the
+    earlier result moves to `final-before-step-N/`, so `final/` is never older than the run says."""
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
+    )
+    common = [
+        "rollout.prompts_per_step=1",
+        "rollout.steps=4",
+        "rollout.split_steps=[0,2]",
+        "checkpoint_every=2",
+    ]
+    run_dir = tmp_path / "run"
+    trainer_for(model_dir, run_dir, *common, "steps=2").train()
+    earlier = FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+
+    continued = trainer_for(model_dir, run_dir, *common, "steps=4", "resume=true")
+    original_step = continued.train_step
+
+    def dies_at_step_4(step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return original_step(step)
+
+    monkeypatch.setattr(continued, "train_step", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        continued.train()
+    assert not (run_dir / "final").exists()
+    aside = FlowPipeline.from_pretrained(run_dir / "final-before-step-00000002").denoiser.state_dict()
+    assert all(torch.equal(earlier[name], aside[name]) for name in earlier)
+
+    trainer_for(model_dir, run_dir, *common, "steps=4", "resume=true").train()
+    final = FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+    assert any(not torch.equal(earlier[name], final[name]) for name in earlier)
+    assert (run_dir / "final-before-step-00000002").is_dir()
