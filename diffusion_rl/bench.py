@@ -37,7 +37,13 @@ from mmrl.precision import explore_precision
 from mmrl.registry import BENCHES, TRAINERS
 
 FLAT = ["rollout.split_steps=[0]", "rollout.branch_factor=16", "train.advantage=grpo"]
-NFT = ["rollout.steps=20", "rollout.group_size=16", "rollout.prompts_per_step=4"]
+NFT = [
+    "rollout.steps=20",
+    "rollout.group_size=16",
+    "rollout.prompts_per_step=4",
+    "reward.name=geneval_mini",  # every row trains the same reward (the nft recipe trains shapes_strict)
+    "eval.gold_reward=null",  # the nft recipe's gold, geneval_mini, is trained here
+]
 VARIANTS = {
     # name: (recipe, overrides, NFE target, wall-clock target) -- targets as ratios to the first row
     "flat GRPO": ("diffusion/branchgrpo", FLAT + ["rollout.shared_initial_noise=false"], None, None),
