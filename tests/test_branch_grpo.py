@@ -446,25 +446,34 @@ def test_periodic_evaluation_and_comparison_plot(model_dir, tmp_path):
     assert main(["report", *runs]) == 2  # several runs need --compare
 
 
-def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, monkeypatch):
+SHORT_RUN = [
+    "rollout.prompts_per_step=1",
+    "rollout.steps=4",
+    "rollout.split_steps=[0,2]",
+    "checkpoint_every=2",
+]
+
+
+@pytest.fixture
+def unscored(monkeypatch):
+    """Held-out evaluations replaced by a constant: these tests follow runs, not scores."""
     monkeypatch.setattr(
         "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
     )
-    common = [
-        "rollout.prompts_per_step=1",
-        "rollout.steps=4",
-        "rollout.split_steps=[0,2]",
-        "train.minibatches=2",
-        "train.ema_decay=0.5",
-        "checkpoint_every=2",
-    ]
+
+
+def final_weights(run_dir):
+    return FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+
+
+def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, unscored):
+    common = [*SHORT_RUN, "train.minibatches=2", "train.ema_decay=0.5"]
 
     def run(run_dir, steps, *extra):
         trainer = trainer_for(model_dir, run_dir, *common, f"steps={steps}", *extra)
         trainer.train()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        final = FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
-        return [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows], final
+        return [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows], final_weights(run_dir)
 
     straight_rows, straight = run(tmp_path / "straight", 4)
     run(tmp_path / "stopped", 2)
@@ -473,23 +482,16 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
-def test_a_run_continued_past_its_result_sets_the_earlier_result_aside(model_dir, tmp_path, monkeypatch):
+def test_a_run_continued_past_its_result_sets_the_earlier_result_aside(
+    model_dir, tmp_path, monkeypatch, unscored
+):
     """A launch that continues a finished run and dies before its new end leaves no `final/`: the
     earlier result moves to `final-before-step-N/`, so `final/` is never older than the run says."""
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
-    common = [
-        "rollout.prompts_per_step=1",
-        "rollout.steps=4",
-        "rollout.split_steps=[0,2]",
-        "checkpoint_every=2",
-    ]
     run_dir = tmp_path / "run"
-    trainer_for(model_dir, run_dir, *common, "steps=2").train()
-    earlier = FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+    trainer_for(model_dir, run_dir, *SHORT_RUN, "steps=2").train()
+    earlier = final_weights(run_dir)
 
-    continued = trainer_for(model_dir, run_dir, *common, "steps=4", "resume=true")
+    continued = trainer_for(model_dir, run_dir, *SHORT_RUN, "steps=4", "resume=true")
     original_step = continued.train_step
 
     def dies_at_step_4(step):
@@ -504,7 +506,7 @@ def test_a_run_continued_past_its_result_sets_the_earlier_result_aside(model_dir
     aside = FlowPipeline.from_pretrained(run_dir / "final-before-step-00000002").denoiser.state_dict()
     assert all(torch.equal(earlier[name], aside[name]) for name in earlier)
 
-    trainer_for(model_dir, run_dir, *common, "steps=4", "resume=true").train()
-    final = FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+    trainer_for(model_dir, run_dir, *SHORT_RUN, "steps=4", "resume=true").train()
+    final = final_weights(run_dir)
     assert any(not torch.equal(earlier[name], final[name]) for name in earlier)
     assert (run_dir / "final-before-step-00000002").is_dir()
