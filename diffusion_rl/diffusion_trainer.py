@@ -445,14 +445,18 @@ class DiffusionTrainer(Trainer):
             metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))
         return metrics
 
+    @property
+    def result_dir(self) -> Path:
+        """Where `save_result` writes the trained model once the run reaches `steps`."""
+        return self.run_dir / "final"
+
     def superseded_result(self) -> tuple[Path, Path] | None:
         """(`final/`, where it moves) when this launch continues the run past an earlier result: a run
         killed before its new end must not leave the earlier model under the name of the run's result."""
         start = self.resume_from.step if self.resume_from is not None else 0
-        final = self.run_dir / "final"
-        if not final.exists() or start >= self.config.steps:
+        if not self.result_dir.exists() or start >= self.config.steps:
             return None
-        return final, self.run_dir / f"final-before-step-{start:08d}"
+        return self.result_dir, self.run_dir / f"final-before-step-{start:08d}"
 
     def prepare_run_dir(self) -> None:
         super().prepare_run_dir()
@@ -515,7 +519,7 @@ class DiffusionTrainer(Trainer):
         """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or
         a LoRA result that plain diffusers loads at the trained strength with `pipe.load_lora_weights`
         and that names its base model (model.path) for `FlowPipeline.from_pretrained`."""
-        out = self.run_dir / "final"
+        out = self.result_dir
         denoiser = self.accelerator.unwrap_model(self.model)
         with self.ema_weights():
             if self.config.model.lora_rank > 0:

@@ -462,8 +462,8 @@ def unscored(monkeypatch):
     )
 
 
-def final_weights(run_dir):
-    return FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+def final_weights(run_dir, name="final"):
+    return FlowPipeline.from_pretrained(run_dir / name).denoiser.state_dict()
 
 
 def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, unscored):
@@ -503,7 +503,7 @@ def test_a_run_continued_past_its_result_sets_the_earlier_result_aside(
     with pytest.raises(KeyboardInterrupt):
         continued.train()
     assert not (run_dir / "final").exists()
-    aside = FlowPipeline.from_pretrained(run_dir / "final-before-step-00000002").denoiser.state_dict()
+    aside = final_weights(run_dir, "final-before-step-00000002")
     assert all(torch.equal(earlier[name], aside[name]) for name in earlier)
 
     trainer_for(model_dir, run_dir, *SHORT_RUN, "steps=4", "resume=true").train()
