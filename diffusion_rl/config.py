@@ -123,7 +123,8 @@ class TrainConfig:
     lr: float = option(1e-4, "AdamW learning rate", min=0.0)
     advantage: str = option(
         "tree_depthwise",
-        "advantage estimator: tree_depthwise, or a group one when rollout.split_steps = [0]",
+        "advantage estimator: a tree one (tree_depthwise is BranchGRPO's), or a group one when "
+        "rollout.split_steps = [0]",
         registry="advantage",
         kinds=("group", "tree"),
     )

@@ -283,6 +283,35 @@ def tree_subgroup(
     return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
 
 
+@ADVANTAGES.register("tree_value", kind="tree")
+def tree_value(
+    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
+) -> Advantages:
+    """A node's fused reward against its tree's root, on the scale of the tree's leaves (TreeRL's
+    global advantage, normalised like GRPO):
+
+        A(n) = (R(n) - R(root)) / (std of the tree's leaf rewards + eps)
+
+    With mean fusion R(n) is the mean reward of the leaves below n, so on a tree of depth 1 this is
+    `grpo`, and an early split whose subtrees score alike gets a small advantage. `tree_depthwise`
+    gives two siblings +-1 whatever their gap, so at a shallow split the leaves' noise sets the
+    credit at full strength. A tree whose leaves spread less than DEGENERATE_STD gets 0. Clipped to
+    [-clip, clip] (None: no clip)."""
+    node_rewards = _as_float(node_rewards)
+    ancestors = _ancestors(parents, depths)
+    r = node_rewards.double()
+    tree = ancestors[:, 0].contiguous()  # the row of each node's root
+    is_leaf = torch.ones_like(r, dtype=torch.bool)
+    is_leaf[parents[parents >= 0].long()] = False
+    roots, segment, sizes = _segments(r[is_leaf], tree[is_leaf])
+    _, leaf_std = _segment_mean_std(r[is_leaf], segment, sizes)
+    std = leaf_std[torch.searchsorted(roots, tree)]
+    values = ((r - r[tree]) / (std + eps)).masked_fill(std < DEGENERATE_STD, 0.0)
+    if clip is not None:
+        values = values.clamp(-clip, clip)
+    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+
+
 def _td_residuals(
     rewards: Tensor, values: Tensor, dones: Tensor, gamma: float
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -15,7 +15,17 @@ from functools import partial
 
 import torch
 
-from mmrl.advantages import gae, grpo, grpo_global_std, mc_grpo, rloo, td1, tree_depthwise, tree_subgroup
+from mmrl.advantages import (
+    gae,
+    grpo,
+    grpo_global_std,
+    mc_grpo,
+    rloo,
+    td1,
+    tree_depthwise,
+    tree_subgroup,
+    tree_value,
+)
 from mmrl.bench_all import check_counts, print_table
 from mmrl.config import check_device
 from mmrl.losses import awr_weights
@@ -155,6 +165,11 @@ def _advantage_rows(
             "tree_subgroup",
             f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
             lambda: tree_subgroup(node_rewards, parents, depths),
+        ),
+        (
+            "tree_value",
+            f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
+            lambda: tree_value(node_rewards, parents, depths),
         ),
         ("awr_weights", f"{len(rewards):,} advantages", lambda: awr_weights(rewards)),
         ("gae", f"[{batch}, {horizon}] steps", lambda: gae(step_rewards, values, dones)),

@@ -13,6 +13,7 @@ from mmrl.advantages import (
     td1,
     tree_depthwise,
     tree_subgroup,
+    tree_value,
 )
 from mmrl.registry import ADVANTAGES
 
@@ -31,6 +32,7 @@ def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
         "rloo": "group",
         "tree_depthwise": "tree",
         "tree_subgroup": "tree",
+        "tree_value": "tree",
     }
     assert {name: ADVANTAGES.kind_of(name).name for name in ADVANTAGES.names()} == kinds
     assert ADVANTAGES.names_of_kind(("group", "tree")) == [
@@ -40,6 +42,7 @@ def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
         "rloo",
         "tree_depthwise",
         "tree_subgroup",
+        "tree_value",
     ]
     rewards, ids = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0])
     for name in ["grpo", "grpo_global_std", "mc_grpo", "rloo"]:
@@ -202,6 +205,38 @@ def test_tree_subgroup_credits_the_late_decision_more_than_depthwise():
     assert subgroup[4] < 0 and depthwise[4] < 0
 
 
+def test_tree_value_hand_computed():
+    # Tree 1: root 0 -> a (1), b (2); a -> leaves [1, 0], b -> leaves [1, 1] (mean fusion: a 0.5, b 1,
+    # root 0.75; leaf std sqrt(3)/4). Tree 2 (rows 7-9): two equal leaves -> no spread, all 0.
+    rewards = torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2, -1, 7, 7])
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 2, 0, 1, 1])
+    out = tree_value(rewards, parents, depths, eps=0.0).values
+    s = math.sqrt(3) / 4
+    expected = torch.tensor([0.0, -0.25 / s, 0.25 / s, 0.25 / s, -0.75 / s, 0.25 / s, 0.25 / s, 0, 0, 0])
+    torch.testing.assert_close(out, expected)
+
+
+def test_tree_value_is_grpo_on_a_flat_group_and_scales_shallow_credit_by_the_gap():
+    flat_parents, flat_depths = torch.tensor([-1, 0, 0, 0, 0]), torch.tensor([0, 1, 1, 1, 1])
+    leaves = torch.tensor([0.0, 1.0, 0.25, 0.5])
+    flat_rewards = torch.cat([leaves.mean()[None], leaves])
+    torch.testing.assert_close(
+        tree_value(flat_rewards, flat_parents, flat_depths).values[1:],
+        grpo(leaves, torch.zeros(4, dtype=torch.long)).values,
+    )
+    # Two subtrees whose leaves differ by 1 within each and whose means differ by 0.02: depth-wise
+    # credit gives the two early edges +-1 whatever the gap; tree_value gives them about +-0.02.
+    rewards = torch.tensor([0.5, 0.49, 0.51, 0.99, -0.01, 1.01, 0.01])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 2])
+    value = tree_value(rewards, parents, depths).values
+    depthwise = tree_depthwise(rewards, parents, depths).values
+    assert depthwise[:3].tolist() == pytest.approx([0.0, -1.0, 1.0], rel=1e-3)
+    assert -0.03 < value[1].item() < 0 < value[2].item() < 0.03  # the better subtree still ranks first
+    assert value[3] > 0 > value[4] and value[5] > 0 > value[6]
+
+
 def test_tree_estimators_refuse_a_parent_table_that_is_not_a_forest():
     rewards = torch.zeros(3)
     with pytest.raises(ValueError, match="parent's depth \\+ 1"):
@@ -271,7 +306,7 @@ def test_group_estimators_are_permutation_invariant(estimator):
     assert torch.equal(permuted.loss_mask, out.loss_mask[perm])
 
 
-@pytest.mark.parametrize("estimator", [tree_depthwise, tree_subgroup])
+@pytest.mark.parametrize("estimator", [tree_depthwise, tree_subgroup, tree_value])
 def test_tree_estimators_are_permutation_invariant(estimator):
     torch.manual_seed(6)
     parents, depths, _ = binary_forest(8, 3)

@@ -19,6 +19,7 @@ def test_bench_core_runs_small_and_reports_every_estimator(capsys):
         "mc_grpo",
         "tree_depthwise",
         "tree_subgroup",
+        "tree_value",
         "awr_weights",
         "gae",
         "td1",

@@ -234,6 +234,7 @@ def test_ema_weights_evaluate_and_are_saved_and_live_weights_survive(model_dir, 
         ["rollout.sde_window=[0,1]", "prune.depths=[3]"],
         ["prune.width=top_half_per_branch", "rollout.reward_fusion=logprob_weighted"],
         ["train.kl_coef=0.1", "model.lora_rank=2"],
+        ["train.advantage=tree_value"],
     ],
 )
 def test_variants_train(model_dir, tmp_path, variant):

@@ -32,6 +32,7 @@ def test_list_shows_recipes_and_every_registry(capsys):
         "rloo",
         "tree_depthwise",
         "tree_subgroup",
+        "tree_value",
         "gae",
         "uniform",
         "dynamic_filter",

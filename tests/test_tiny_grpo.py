@@ -133,7 +133,8 @@ def test_eval_and_report_commands(tmp_path, capsys):
 
 def test_tree_estimators_are_recognised_by_their_kind():
     assert ADVANTAGES.has_kind("tree_depthwise", "tree") and not ADVANTAGES.has_kind("grpo", "tree")
-    with pytest.raises(ConfigError, match=r"use a tree advantage \(tree_depthwise, tree_subgroup\)"):
+    trees = "tree_depthwise, tree_subgroup, tree_value"
+    with pytest.raises(ConfigError, match=rf"use a tree advantage \({trees}\)"):
         load_config("core/tiny_branch_grpo", ["train.advantage=rloo"])
 
 
