@@ -298,6 +298,7 @@ def tree_value(
     credit at full strength. A tree whose leaves spread less than DEGENERATE_STD gets 0. Clipped to
     [-clip, clip] (None: no clip)."""
     node_rewards = _as_float(node_rewards)
+    _check_finite("rewards", node_rewards)
     ancestors = _ancestors(parents, depths)
     r = node_rewards.double()
     tree = ancestors[:, 0].contiguous()  # the row of each node's root

@@ -237,6 +237,13 @@ def test_tree_value_is_grpo_on_a_flat_group_and_scales_shallow_credit_by_the_gap
     assert value[3] > 0 > value[4] and value[5] > 0 > value[6]
 
 
+@pytest.mark.parametrize("estimator", [tree_depthwise, tree_subgroup, tree_value])
+def test_tree_estimators_refuse_a_non_finite_node_reward(estimator):
+    rewards = torch.tensor([0.5, float("nan"), 1.0])
+    with pytest.raises(ValueError, match="rewards contain NaN .*index 1"):
+        estimator(rewards, torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 1]))
+
+
 def test_tree_estimators_refuse_a_parent_table_that_is_not_a_forest():
     rewards = torch.zeros(3)
     with pytest.raises(ValueError, match="parent's depth \\+ 1"):
