@@ -14,11 +14,16 @@ from mmrl.cli import main
 from mmrl.config import ConfigError
 from mmrl.registry import BENCHES, EVALUATORS
 from vla_rl.bench import bench_vla
+from vla_rl.episodes import Outcome, Step
 from vla_rl.evaluate import (
+    Episodes,
+    ExpertGaps,
     VLAPoliciesEvalConfig,
     eval_vla,
     evaluate_policies,
     evaluate_policy,
+    format_gaps,
+    gap_summary,
     wilson_interval,
 )
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
@@ -283,3 +288,72 @@ def test_the_shipped_base_is_found_from_any_working_directory(tmp_path, monkeypa
     )
     (entry,) = results["policies"].values()
     assert entry["episodes"] == 2 and (tmp_path / "out/eval_vla.json").is_file()
+
+
+class _Env:
+    """Stands in for an env: the expert reads `state` through get_wrapper_attr, as from a sim env."""
+
+    def __init__(self) -> None:
+        self.state = np.zeros(1)
+
+    def get_wrapper_attr(self, name):
+        assert name == "get_state"
+        return lambda: self.state
+
+
+class _ConstantExpert:
+    def act(self, env):
+        return np.zeros(4, dtype=np.float32)
+
+
+def _step(action: float, by_expert: bool = False) -> Step:
+    return Step({}, np.full(4, action, np.float32), np.zeros(4), by_expert, -1, {})
+
+
+def test_expert_gaps_take_the_largest_window_mean_of_policy_steps_only():
+    gaps = ExpertGaps(_ConstantExpert(), window=2)
+    env = _Env()
+    gaps.begin(0, env, {}, {})
+    # policy gaps 0.1, 0.3, then an expert step (left out, as the take-over rule leaves it out), 0.5, 0.1
+    for action, by_expert in [(0.1, False), (0.3, False), (1.0, True), (0.5, False), (0.1, False)]:
+        gaps.step(0, env, _step(action, by_expert))
+    gaps.end(0, Outcome(0, "", False, False, 5, 1, 1))
+    assert gaps.largest == {0: pytest.approx(0.4)}  # windows 0.2, 0.4 (0.3 and 0.5), 0.3
+    gaps.begin(1, env, {}, {})
+    gaps.step(1, env, _step(0.9))  # one policy step: shorter than the window, no value
+    assert 1 not in gaps.largest
+
+
+def _episodes(success: list[bool], gaps: dict[int, float]) -> Episodes:
+    n = len(success)
+    zeros = np.zeros(n, dtype=np.int64)
+    return Episodes(list(range(n)), np.array(success), zeros + 10, zeros, zeros, expert_gaps=gaps)
+
+
+def test_gap_summary_names_the_thresholds_that_separate_failures_from_successes():
+    separated = gap_summary(_episodes([True, False, True, False], {0: 0.6, 1: 0.9, 2: 0.5, 3: 1.1}), 8)
+    assert separated == {
+        "window": 8,
+        "successes_max": 0.6,
+        "failures_min": 0.9,
+        "failures": 2,
+        "failures_fired_at_successes_max": 2,
+    }
+    assert format_gaps(separated).endswith("intervention.threshold in [0.600, 0.900) separates them")
+    # a failure below the successes' largest gap, and one too short for a value: neither is caught
+    overlap = gap_summary(_episodes([True, False, False, False], {0: 0.7, 1: 0.65, 2: 0.9}), 8)
+    assert overlap["failures_fired_at_successes_max"] == 1 and overlap["failures_min"] == 0.65
+    assert format_gaps(overlap).endswith("at 0.700, the window rule fires in 1 of 3 failed episodes")
+
+
+@pytest.mark.needs_rendering
+def test_eval_reports_expert_gaps_by_outcome(policies, tmp_path, capsys):
+    results = run(policies[:1], tmp_path, "episodes=3", "num_envs=3", "gap_window=4")
+    (entry,) = results["policies"].values()
+    per_episode = entry["per_episode"]
+    assert all(0.0 <= g <= 2.0 for g in per_episode["expert_gap"])  # RMS of entries in [-1, 1]
+    failed = [g for g, ok in zip(per_episode["expert_gap"], per_episode["success"], strict=True) if not ok]
+    assert entry["expert_gap"]["failures"] == len(failed) > 0  # an untrained policy fails Reach
+    assert entry["expert_gap"]["failures_min"] == min(failed)
+    assert "largest mean gap to the expert over 4 policy steps" in capsys.readouterr().out
+    assert "expert_gap" not in run(policies[:1], tmp_path / "off", "episodes=1")["policies"][policies[0]]

@@ -25,6 +25,11 @@ hands back and the policy predicts a fresh chunk; `takeover_release_guard=true` 
 of the gripper that drops the object away from its goal. One hand-over counts as one intervention;
 success is then success *with* help, and the intervention counts say how much help was needed.
 Episodes run through the shared episode loop (`vla_rl.episodes`).
+
+With ``gap_window=W`` each episode also gets its largest mean RMS gap to the expert over W consecutive
+policy steps, the quantity the training take-over rule compares with ``intervention.threshold``, and
+the table says which thresholds fire in every failed episode and in no successful one. Run it on the
+base a recipe starts from to set the threshold for a new task.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import json
 import math
 import re
 import statistics
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +52,7 @@ from mmrl.registry import EVALUATORS
 from vla_rl.episodes import Outcome, PolicyActs, Progress, Recorder, Step, evaluating, run_episodes
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
-from vla_rl.supervisor import TakeoverRule
+from vla_rl.supervisor import TakeoverRule, action_gap
 
 if TYPE_CHECKING:
     from sim.experts import Expert
@@ -84,6 +89,7 @@ class Episodes:
     videos: dict[int, tuple[list[np.ndarray], list[bool]]] = field(default_factory=dict)
     # episode -> (frames, whether the expert chose the action that led to each frame)
     failures: dict[int, str] = field(default_factory=dict)  # failed episode -> how, where the task says
+    expert_gaps: dict[int, float] = field(default_factory=dict)  # episode -> ExpertGaps.largest, if asked
 
 
 class FailureModes(Recorder):
@@ -105,6 +111,35 @@ class FailureModes(Recorder):
         states = np.stack(self.states.pop(k))
         if not outcome.success and (how := self.expert.failure(states)) is not None:
             self.failures[k] = how
+
+
+class ExpertGaps(Recorder):
+    """Per episode, the largest mean RMS gap between the policy's actions and the scripted expert's over
+    `window` consecutive policy steps: what the training take-over rule (`intervention.window`,
+    `intervention.threshold`) compares. Split by outcome, it shows which thresholds fire in every failed
+    episode and in no successful one. Expert-driven steps are left out, as the rule leaves them out;
+    an episode with fewer than `window` policy steps has no value."""
+
+    def __init__(self, expert: Expert, window: int) -> None:
+        self.expert, self.window = expert, window
+        self.largest: dict[int, float] = {}
+        self._gaps: dict[int, deque[float]] = {}
+        self._expert_action: dict[int, np.ndarray] = {}  # the expert's action at the episode's state now
+
+    def begin(self, k: int, env: Any, obs: Any, info: Any) -> None:
+        self._gaps[k] = deque(maxlen=self.window)
+        self._expert_action[k] = self.expert.act(env)
+
+    def step(self, k: int, env: Any, step: Step) -> None:
+        gaps = self._gaps[k]
+        if not step.by_expert:
+            gaps.append(action_gap(step.action, self._expert_action[k]))
+            if len(gaps) == self.window:
+                self.largest[k] = max(self.largest.get(k, 0.0), float(np.mean(gaps)))
+        self._expert_action[k] = self.expert.act(env)
+
+    def end(self, k: int, outcome: Outcome) -> None:
+        del self._gaps[k], self._expert_action[k]
 
 
 class VideoFrames(Recorder):
@@ -154,10 +189,12 @@ def evaluate_episodes(
     takeover: TakeoverRule | None = None,
     videos: int = 0,
     video_size: int = 128,
+    gap_window: int = 0,
 ) -> Episodes:
     """Roll out `policy` for `episodes` episodes (reset seeds seed, seed+1, ...), optionally supervised
     by the scripted expert (`takeover`), recording front-camera frames of the first `videos` episodes
-    and, where the task's expert names failure modes, how each failed episode failed.
+    and, where the task's expert names failure modes, how each failed episode failed; with `gap_window`
+    > 0, each episode's largest mean gap to the expert over that many policy steps (`ExpertGaps`).
 
     Sampling (deterministic=False) draws from a generator seeded with `seed`, so a run is repeatable.
     """
@@ -167,7 +204,7 @@ def evaluate_episodes(
     try:
         expert = expert_for(task)
     except TypeError:  # an external task registered without an expert: no failure modes
-        if takeover is not None:  # nor take-overs: the error names how to register one
+        if takeover is not None or gap_window:  # nor take-overs or gaps: the error names the fix
             raise
         expert = None
 
@@ -178,6 +215,7 @@ def evaluate_episodes(
     controller = PolicyActs(policy, deterministic, torch.Generator().manual_seed(seed))
     frames = VideoFrames(videos, video_size)
     failures = [FailureModes(expert)] if expert is not None else []
+    gaps = [ExpertGaps(expert, gap_window)] if gap_window else []
     bar = tqdm(total=episodes, desc=f"eval {task}", disable=not progress, dynamic_ncols=True, leave=False)
     try:
         with evaluating(policy):
@@ -187,7 +225,7 @@ def evaluate_episodes(
                 controller,
                 expert=expert if takeover is not None else None,
                 takeover=takeover,
-                recorders=[frames, Progress(bar), *failures],
+                recorders=[frames, Progress(bar), *failures, *gaps],
             )
     finally:
         bar.close()
@@ -202,6 +240,7 @@ def evaluate_episodes(
         expert_steps=np.array([o.expert_steps for o in outcomes], dtype=np.int64),
         videos=frames.videos,
         failures=failures[0].failures if failures else {},
+        expert_gaps=gaps[0].largest if gaps else {},
     )
 
 
@@ -260,6 +299,13 @@ class VLAPoliciesEvalConfig:
         "the expert also takes over before the policy opens the gripper where that drops the held object "
         "away from its goal (PickPlace)",
     )
+    gap_window: int = option(
+        0,
+        "report each episode's largest mean RMS gap to the scripted expert over this many policy steps, "
+        "by outcome: the values of intervention.threshold (with intervention.window equal to this) that "
+        "fire in every failed episode and in no successful one (0: off)",
+        min=0,
+    )
     videos: int = option(0, "GIFs of the first K episodes per policy (OUTPUT_DIR/videos)", min=0)
     video_size: int = option(128, "side of the GIF frames in pixels (front camera)", min=16)
     progress: bool = option(True, "show progress bars")
@@ -298,12 +344,13 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
         raise ConfigError(f"config error: task = {cfg.task!r}: {err}") from None
 
 
-def summarise(result: Episodes) -> dict[str, Any]:
-    """Success with its Wilson interval, episode lengths and intervention counts, plus per-episode lists."""
+def summarise(result: Episodes, gap_window: int = 0) -> dict[str, Any]:
+    """Success with its Wilson interval, episode lengths and intervention counts, plus per-episode lists;
+    with `gap_window`, the expert gaps by outcome (`gap_summary`)."""
     n = len(result.seeds)
     successes = int(result.success.sum())
     low, high = wilson_interval(successes, n)
-    return {
+    summary = {
         "success_rate": successes / n,
         "success_ci_low": low,
         "success_ci_high": high,
@@ -325,6 +372,29 @@ def summarise(result: Episodes) -> dict[str, Any]:
             "expert_steps": result.expert_steps.tolist(),
             "failure": [result.failures.get(k) for k in range(n)],
         },
+    }
+    if gap_window:
+        summary["expert_gap"] = gap_summary(result, gap_window)
+        summary["per_episode"]["expert_gap"] = [result.expert_gaps.get(k) for k in range(n)]
+    return summary
+
+
+def gap_summary(result: Episodes, window: int) -> dict[str, Any]:
+    """The window rule fires in an episode whose largest gap exceeds the threshold: thresholds from the
+    successes' largest gap up to the failures' smallest fire in every failed episode and no successful
+    one. A failed episode too short for a value is one the rule cannot catch."""
+    by_outcome: dict[bool, list[float | None]] = {True: [], False: []}
+    for k, success in enumerate(result.success.tolist()):
+        by_outcome[success].append(result.expert_gaps.get(k))
+    success_gaps = [g for g in by_outcome[True] if g is not None]
+    failure_gaps = [g for g in by_outcome[False] if g is not None]
+    successes_max = max(success_gaps, default=0.0)
+    return {
+        "window": window,
+        "successes_max": max(success_gaps, default=None),
+        "failures_min": min(failure_gaps, default=None),
+        "failures": len(by_outcome[False]),
+        "failures_fired_at_successes_max": sum(g > successes_max for g in failure_gaps),
     }
 
 
@@ -401,8 +471,9 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
             takeover=takeover,
             videos=cfg.videos,
             video_size=cfg.video_size,
+            gap_window=cfg.gap_window,
         )
-        entry = summarise(episodes)
+        entry = summarise(episodes, cfg.gap_window)
         if reference is None:
             reference = episodes.success
         else:  # paired on the same episodes: where this policy and the first disagree
@@ -447,7 +518,28 @@ def format_table(results: dict[str, Any]) -> str:
         )
         if entry["failures"]:
             lines.append("      failures: " + ", ".join(f"{how} {n}" for how, n in entry["failures"].items()))
+        if "expert_gap" in entry:
+            lines.append("      " + format_gaps(entry["expert_gap"]))
     return "\n".join(lines)
+
+
+def format_gaps(gap: dict[str, Any]) -> str:
+    """One sentence: which window-rule thresholds fire in every failed episode and no successful one."""
+
+    def value(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    head = (
+        f"largest mean gap to the expert over {gap['window']} policy steps: successes up to "
+        f"{value(gap['successes_max'])}, failures from {value(gap['failures_min'])}"
+    )
+    if gap["failures"] == 0:
+        return head + " (no failed episode)"
+    low = gap["successes_max"] or 0.0
+    fired = gap["failures_fired_at_successes_max"]
+    if fired == gap["failures"]:
+        return head + f": intervention.threshold in [{low:.3f}, {gap['failures_min']:.3f}) separates them"
+    return head + f": at {low:.3f}, the window rule fires in {fired} of {gap['failures']} failed episodes"
 
 
 @EVALUATORS.register("vla")
