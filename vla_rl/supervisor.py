@@ -14,7 +14,9 @@ Two triggers, used alone or together:
   rather than consecutive steps, because training actions are sampled and noisy. The recipes'
   threshold (1.0) was set from the BC base sampling with the recipes' `std_scale`: it fires in every
   failing episode and in a few of the successful ones, where 0.6 fired in most of them (so the expert
-  drove most episodes the policy would have finished alone).
+  drove most episodes the policy would have finished alone). The right threshold depends on the task
+  and the policy: `mmrl eval vla gap_window=W` reports, per episode, the largest W-step mean gap by
+  outcome, and which thresholds fire in every failed episode and in no successful one.
 
 With `release_guard`, the supervisor also looks before each policy step: a policy about to open the
 gripper (last action entry < 0) where that drops what it holds away from the goal
