@@ -383,18 +383,16 @@ def gap_summary(result: Episodes, window: int) -> dict[str, Any]:
     """The window rule fires in an episode whose largest gap exceeds the threshold: thresholds from the
     successes' largest gap up to the failures' smallest fire in every failed episode and no successful
     one. A failed episode too short for a value is one the rule cannot catch."""
-    by_outcome: dict[bool, list[float | None]] = {True: [], False: []}
-    for k, success in enumerate(result.success.tolist()):
-        by_outcome[success].append(result.expert_gaps.get(k))
-    success_gaps = [g for g in by_outcome[True] if g is not None]
-    failure_gaps = [g for g in by_outcome[False] if g is not None]
-    successes_max = max(success_gaps, default=0.0)
+    outcomes = [(bool(ok), result.expert_gaps.get(k)) for k, ok in enumerate(result.success)]
+    success_gaps = [g for ok, g in outcomes if ok and g is not None]
+    failure_gaps = [g for ok, g in outcomes if not ok and g is not None]
+    successes_max = max(success_gaps, default=None)
     return {
         "window": window,
-        "successes_max": max(success_gaps, default=None),
+        "successes_max": successes_max,
         "failures_min": min(failure_gaps, default=None),
-        "failures": len(by_outcome[False]),
-        "failures_fired_at_successes_max": sum(g > successes_max for g in failure_gaps),
+        "failures": sum(not ok for ok, _ in outcomes),
+        "failures_fired_at_successes_max": sum(g > (successes_max or 0.0) for g in failure_gaps),
     }
 
 
