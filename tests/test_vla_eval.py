@@ -310,15 +310,16 @@ def _step(action: float, by_expert: bool = False) -> Step:
     return Step({}, np.full(4, action, np.float32), np.zeros(4), by_expert, -1, {})
 
 
-def test_expert_gaps_take_the_largest_window_mean_of_policy_steps_only():
+def test_expert_gaps_take_the_largest_window_mean_of_consecutive_policy_steps():
     gaps = ExpertGaps(_ConstantExpert(), window=2)
     env = _Env()
     gaps.begin(0, env, {}, {})
-    # policy gaps 0.1, 0.3, then an expert step (left out, as the take-over rule leaves it out), 0.5, 0.1
+    # policy gaps 0.1, 0.3, then an expert step (left out, and the window starts afresh after it, as in
+    # the take-over rule), 0.5, 0.1
     for action, by_expert in [(0.1, False), (0.3, False), (1.0, True), (0.5, False), (0.1, False)]:
         gaps.step(0, env, _step(action, by_expert))
     gaps.end(0, Outcome(0, "", False, False, 5, 1, 1))
-    assert gaps.largest == {0: pytest.approx(0.4)}  # windows 0.2, 0.4 (0.3 and 0.5), 0.3
+    assert gaps.largest == {0: pytest.approx(0.3)}  # windows 0.2 and 0.3; none spans the expert step
     gaps.begin(1, env, {}, {})
     gaps.step(1, env, _step(0.9))  # one policy step: shorter than the window, no value
     assert 1 not in gaps.largest

@@ -117,8 +117,8 @@ class ExpertGaps(Recorder):
     """Per episode, the largest mean RMS gap between the policy's actions and the scripted expert's over
     `window` consecutive policy steps: what the training take-over rule (`intervention.window`,
     `intervention.threshold`) compares. Split by outcome, it shows which thresholds fire in every failed
-    episode and in no successful one. Expert-driven steps are left out, as the rule leaves them out;
-    an episode with fewer than `window` policy steps has no value."""
+    episode and in no successful one. As in the rule, expert-driven steps are left out and the window
+    starts afresh after them; an episode with no `window` consecutive policy steps has no value."""
 
     def __init__(self, expert: Expert, window: int) -> None:
         self.expert, self.window = expert, window
@@ -132,7 +132,9 @@ class ExpertGaps(Recorder):
 
     def step(self, k: int, env: Any, step: Step) -> None:
         gaps = self._gaps[k]
-        if not step.by_expert:
+        if step.by_expert:
+            gaps.clear()
+        else:
             gaps.append(action_gap(step.action, self._expert_action[k]))
             if len(gaps) == self.window:
                 self.largest[k] = max(self.largest.get(k, 0.0), float(np.mean(gaps)))
