@@ -279,6 +279,21 @@ def test_each_baseline_runs_end_to_end(tmp_path, tiny_policy_dir, method):
     assert summary["episodes"] == rows[-1]["episodes"] and "episodes_to_80" in summary
 
 
+@pytest.mark.needs_rendering
+def test_failed_without_takeover_counts_the_failures_the_rule_lets_through(tmp_path, tiny_policy_dir):
+    # the untrained policy fails Reach: a rule that fires at any gap catches every failure, one that
+    # cannot fire catches none
+    run(tmp_path / "fires", tiny_policy_dir, "intervention.threshold=0.0", "steps=1")
+    row = metrics(tmp_path / "fires")[0]
+    assert row["interventions_per_episode"] > 0 and row["failed_without_takeover"] == 0.0
+    run(tmp_path / "blind", tiny_policy_dir, "intervention.threshold=100.0", "steps=1")
+    row = metrics(tmp_path / "blind")[0]
+    assert row["interventions_per_episode"] == 0.0 and row["success_rate"] < 1
+    assert row["failed_without_takeover"] == pytest.approx(1.0 - row["success_rate"])
+    run(tmp_path / "off", tiny_policy_dir, "intervention.enabled=false", "steps=1")
+    assert "failed_without_takeover" not in metrics(tmp_path / "off")[0]
+
+
 @pytest.fixture(scope="module")
 def reach_demos(tmp_path_factory):
     root = tmp_path_factory.mktemp("demos") / "reach"

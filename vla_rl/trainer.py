@@ -398,6 +398,8 @@ class VLAHABCTrainer(Trainer):
             "buffer_policy": sizes["policy"],
             "buffer_intervention": sizes["intervention"],
         }
+        if cfg.intervention.enabled:  # failures the take-over rule let through: high while it is blind
+            metrics["failed_without_takeover"] = float((~success & (takeovers == 0)).mean())
         if branched is not None:  # what the same leaves would have cost replayed from reset
             metrics["replayed_env_steps"] = int(lengths.sum())
             metrics["branch_points"] = branched.branch_points
