@@ -380,6 +380,7 @@ class VLAHABCTrainer(Trainer):
         lengths = np.array([e.length for e in episodes])
         success = np.array([e.success for e in episodes])
         takeovers = np.array([e.interventions for e in episodes])
+        unassisted = takeovers == 0
         expert_steps = sum(int(e.is_intervention.sum()) for e in episodes)
         self.counters["env_steps"] += int(lengths.sum()) if branched is None else branched.env_steps
         self.counters["episodes"] += len(episodes)
@@ -388,7 +389,7 @@ class VLAHABCTrainer(Trainer):
         sizes = self.buffer.sizes()
         metrics: dict[str, Any] = {
             "success_rate": float(success.mean()),
-            "autonomous_success_rate": float((success & (takeovers == 0)).mean()),
+            "autonomous_success_rate": float((success & unassisted).mean()),
             "interventions_per_episode": float(takeovers.mean()),
             "intervention_step_fraction": expert_steps / float(lengths.sum()),
             "episode_steps": float(lengths.mean()),
@@ -399,7 +400,7 @@ class VLAHABCTrainer(Trainer):
             "buffer_intervention": sizes["intervention"],
         }
         if cfg.intervention.enabled:  # failures the take-over rule let through: high while it is blind
-            metrics["failed_without_takeover"] = float((~success & (takeovers == 0)).mean())
+            metrics["failed_without_takeover"] = float((~success & unassisted).mean())
         if branched is not None:  # what the same leaves would have cost replayed from reset
             metrics["replayed_env_steps"] = int(lengths.sum())
             metrics["branch_points"] = branched.branch_points
