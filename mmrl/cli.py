@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         "success_rate for robot runs",
     )
     report.add_argument(
+        "--training-metric",
+        metavar="NAME",
+        help="with --compare, plot NAME as every training step logged it in metrics.jsonl instead of a "
+        "held-out metric, e.g. autonomous_success_rate for the rollouts of robot runs",
+    )
+    report.add_argument(
         "--label",
         action="append",
         metavar="NAME",
@@ -422,12 +428,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     from mmrl.report import write_report
 
     if args.compare:
-        png = compare_runs(args.run_dir, args.metric, args.compare, args.label, args.seed_key)
+        training = args.training_metric is not None
+        metric = args.training_metric if training else args.metric
+        png = compare_runs(args.run_dir, metric, args.compare, args.label, args.seed_key, training=training)
         print(png)
         print(png.with_suffix(".json"))
         return 0
-    if args.label or args.seed_key:
-        raise ConfigError("--label and --seed-key are for a comparison: pass --compare PNG with them")
+    if args.label or args.seed_key or args.training_metric:
+        raise ConfigError(
+            "--label, --seed-key and --training-metric are for a comparison: pass --compare PNG with them"
+        )
     if len(args.run_dir) > 1:
         raise ConfigError("mmrl report takes one run directory; pass --compare PNG to compare several")
     print(write_report(args.run_dir[0]))

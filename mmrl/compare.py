@@ -1,6 +1,7 @@
-"""`mmrl report RUN ... --compare PNG`: held-out learning curves of several runs in one plot, runs whose
-configs differ only in their seed drawn as one method (the mean over seeds with a band), and the
-plotted numbers with each method's final mean and 95% interval in a JSON file beside the PNG."""
+"""`mmrl report RUN ... --compare PNG`: learning curves (held out, or a training metric) of several runs
+in one plot, runs whose configs differ only in their seed drawn as one method (the mean over seeds
+with a band), and the plotted numbers with each method's final mean and 95% interval in a JSON file
+beside the PNG."""
 
 from __future__ import annotations
 
@@ -89,9 +90,10 @@ def t_975(df: int) -> float:
 
 
 @dataclass
-class HeldOutCurve:
-    """A finished run's held-out metric at each evaluation (before training, every `eval_every` steps,
-    after), the training step of each, and the x value of each on every axis the run logged."""
+class Curve:
+    """A finished run's metric at each point compared (held out: before training, every `eval_every`
+    steps and after; training: every step that logged it), the training step of each, and the x value
+    of each on every axis the run logged."""
 
     run: Path
     steps: list[float]
@@ -99,25 +101,24 @@ class HeldOutCurve:
     x: dict[str, list[float]]
     explore: bool = False  # the run logged low-precision exploration (explore_nfe)
 
+    def add_point(self, step: float, value: float, totals: dict[str, float]) -> None:
+        self.steps.append(step)
+        self.values.append(value)
+        for axis, total in totals.items():
+            self.x[axis].append(step if axis == "step" else total)
 
-def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
-    """The held-out `metric` curve of a finished run; FileNotFoundError when the run has not finished.
-    Wall-clock, nfe and explore_nfe are summed over the steps up to each evaluation; env_steps is the
-    trainer's cumulative counter as logged at that step."""
-    rows = [r for r in read_metrics(run) if isinstance(r, dict)] if (run / METRICS_FILE).is_file() else []
-    evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
-    if not rows or any(metric not in (evals.get(key) or {}) for key in ("before", "after")):
-        raise FileNotFoundError(
-            f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
-            "with before/after); train it to the end first"
-        )
 
-    def value(raw: Any, where: str) -> float:
-        number = metric_number(raw)
-        if number is None:
-            raise ConfigError(f"{str(run)!r}: held-out {metric!r} in {where} is {raw!r}, not a number")
-        return number
+def _metric_value(run: Path, metric: str, raw: Any, where: str) -> float:
+    number = metric_number(raw)
+    if number is None:
+        raise ConfigError(f"{str(run)!r}: {metric!r} in {where} is {raw!r}, not a number")
+    return number
 
+
+def _walk_metrics(rows: list[dict]) -> tuple[list[str], list[tuple[float, dict, dict[str, float]]]]:
+    """The x axes the rows logged, and per row (its step, the row, each axis's total up to and with
+    it): wall-clock, nfe and explore_nfe summed over the rows, env_steps the trainer's cumulative
+    count as logged, and the step itself."""
     logged = {key for row in rows for key, item in row.items() if metric_number(item) is not None}
     axes = [
         axis
@@ -129,18 +130,8 @@ def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
         )
         if needs & logged
     ] + ["step"]
-    curve = HeldOutCurve(run, [0.0], [value(evals["before"][metric], "eval.json before")], {})
-    curve.explore = "explore_nfe" in logged
     totals = dict.fromkeys(axes, 0.0)
-    for axis in axes:
-        curve.x[axis] = [0.0]
-
-    def add_point(step: float, metric_value: float) -> None:
-        curve.steps.append(step)
-        curve.values.append(metric_value)
-        for axis in axes:
-            curve.x[axis].append(step if axis == "step" else totals[axis])
-
+    walked = []
     for index, row in enumerate(rows):
         step = metric_number(row.get("step"))
         step = float(index + 1) if step is None else step
@@ -153,15 +144,63 @@ def held_out_curve(run: Path, metric: str) -> HeldOutCurve:
             totals["all_nfe"] += nfe + (metric_number(row.get("explore_nfe")) or 0.0)
         if "env_steps" in totals and metric_number(row.get("env_steps")) is not None:
             totals["env_steps"] = float(row["env_steps"])
+        totals["step"] = step
+        walked.append((step, row, dict(totals)))
+    return axes, walked
+
+
+def _explored(rows: list[dict]) -> bool:
+    return any(metric_number(row.get("explore_nfe")) is not None for row in rows)
+
+
+def _read_rows(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run) if isinstance(r, dict)] if (run / METRICS_FILE).is_file() else []
+
+
+def held_out_curve(run: Path, metric: str) -> Curve:
+    """The held-out `metric` curve of a finished run; FileNotFoundError when the run has not finished."""
+    rows = _read_rows(run)
+    evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+    if not rows or any(metric not in (evals.get(key) or {}) for key in ("before", "after")):
+        raise FileNotFoundError(
+            f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
+            "with before/after); train it to the end first"
+        )
+    axes, walked = _walk_metrics(rows)
+    curve = Curve(run, [], [], {axis: [] for axis in axes}, explore=_explored(rows))
+    curve.add_point(
+        0.0, _metric_value(run, metric, evals["before"][metric], "eval.json before"), dict.fromkeys(axes, 0.0)
+    )
+    for step, row, totals in walked[:-1]:  # an evaluation at the last step is eval.json's "after"
         if f"eval_{metric}" in row:
-            add_point(step, value(row[f"eval_{metric}"], f"metrics.jsonl step {step:g}"))
-    final = metric_number(rows[-1].get("step"))
-    final = float(len(rows)) if final is None else final
-    if curve.steps[-1] == final and len(curve.steps) > 1:  # evaluated at the last step: eval.json wins
-        curve.steps.pop(), curve.values.pop()
-        for axis in axes:
-            curve.x[axis].pop()
-    add_point(final, value(evals["after"][metric], "eval.json after"))
+            curve.add_point(
+                step,
+                _metric_value(run, metric, row[f"eval_{metric}"], f"metrics.jsonl step {step:g}"),
+                totals,
+            )
+    step, _, totals = walked[-1]
+    curve.add_point(step, _metric_value(run, metric, evals["after"][metric], "eval.json after"), totals)
+    return curve
+
+
+def training_curve(run: Path, metric: str) -> Curve:
+    """`metric` as the run's training steps logged it in metrics.jsonl (a robot run's rollout success,
+    say), at every step that has it; FileNotFoundError when the run logged no step."""
+    rows = _read_rows(run)
+    if not rows:
+        raise FileNotFoundError(f"{str(run)!r} has no metrics.jsonl with training steps; train it first")
+    axes, walked = _walk_metrics(rows)
+    curve = Curve(run, [], [], {axis: [] for axis in axes}, explore=_explored(rows))
+    for step, row, totals in walked:
+        if metric in row:
+            curve.add_point(
+                step, _metric_value(run, metric, row[metric], f"metrics.jsonl step {step:g}"), totals
+            )
+    if not curve.steps:
+        names = sorted({key for row in rows for key, item in row.items() if metric_number(item) is not None})
+        raise ConfigError(
+            f"{str(run)!r}: no training step logged {metric!r}; its metrics.jsonl has: {', '.join(names)}"
+        )
     return curve
 
 
@@ -245,7 +284,7 @@ def _finite_json(value: Any) -> Any:
     return value
 
 
-def method_summary(label: str, curves: list[HeldOutCurve], seeds: list[Any], axes: list[str]) -> dict:
+def method_summary(label: str, curves: list[Curve], seeds: list[Any], axes: list[str]) -> dict:
     """A method's numbers: per evaluation point the step, the mean over seeds of each x, and the
     metric's mean, std, min, max and per-seed values; the final point's mean with a t-based 95%
     interval over seeds (None for one seed)."""
@@ -292,15 +331,17 @@ def compare_runs(
     out: str | Path,
     labels: list[str] | None = None,
     seed_keys: list[str] | None = None,
+    training: bool = False,
 ) -> Path:
-    """One PNG comparing methods by held-out `metric` (before, every `eval_every` steps, after), and
-    its numbers in ``<png stem>.json`` beside it.
+    """One PNG comparing methods by held-out `metric` (before, every `eval_every` steps, after), or
+    with `training` by `metric` as every training step logged it, and its numbers in
+    ``<png stem>.json`` beside it.
 
     Runs whose config.yaml is the same but for `NOT_METHOD_KEYS` (and `seed_keys`, such as the base
     each seed fine-tunes) are seeds of one method, drawn once: the
     mean over seeds with a band (min-max for two seeds, mean +- std from three), labelled by
     `method_labels` or `labels` (one per method, in the order their first run is given) and n. Seeds
-    must be evaluated at the same steps. Panels, one per x axis some run logged (`X_AXES`): training
+    must have the metric at the same steps. Panels, one per x axis some run logged (`X_AXES`): training
     wall-clock, full-precision denoiser evaluations, all denoiser evaluations (when a run explored
     in low precision), environment steps; training steps when none was logged. X values are means
     over seeds. Everything is checked before anything is written."""
@@ -314,7 +355,7 @@ def compare_runs(
         if run.resolve() in seen:
             raise ConfigError(f"run {str(run)!r} is given twice (as {str(seen[run.resolve()])!r})")
         seen[run.resolve()] = run
-    curves = [held_out_curve(run, metric) for run in runs]
+    curves = [(training_curve if training else held_out_curve)(run, metric) for run in runs]
 
     groups: dict[str, list[int]] = {}
     seeds: list[Any] = []
@@ -329,9 +370,9 @@ def compare_runs(
             if curves[i].steps != first.steps:
                 raise ConfigError(
                     f"runs {str(first.run)!r} and {str(curves[i].run)!r} have the same config (seeds of "
-                    f"one method) but held-out evaluations at different steps: "
+                    f"one method) but {metric!r} at different steps: "
                     f"{_steps_text(first.steps)} and {_steps_text(curves[i].steps)}; "
-                    "train the seeds to the same steps with the same eval_every"
+                    "train the seeds to the same steps" + ("" if training else " with the same eval_every")
                 )
         repeated = [
             i for i in indices if seeds[i] is not None and [seeds[j] for j in indices].count(seeds[i]) > 1
@@ -382,7 +423,7 @@ def compare_runs(
         ax.set_xlabel(
             f"{name}\n({detail}{', mean over seeds' if several and axis != 'step' else ''})", fontsize=8
         )
-        ax.set_ylabel(f"held-out {metric}")
+        ax.set_ylabel(f"{metric} (training steps)" if training else f"held-out {metric}")
         ax.grid(alpha=0.3)
     panels[0][-1].legend(fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -390,6 +431,7 @@ def compare_runs(
     plt.close(fig)
     record = {
         "metric": metric,
+        "source": "training steps (metrics.jsonl)" if training else "held-out evaluations",
         "plot": str(out),
         "x_axes": {axis: ": ".join(X_AXES[axis]) for axis in axes},
         "notes": {

@@ -368,7 +368,7 @@ def test_compare_seed_keys_group_seeds_that_fine_tune_their_own_base(tmp_path, c
     from mmrl.cli import main
 
     assert main(["report", runs[0], "--seed-key", "model.path"]) == 2
-    assert "--label and --seed-key are for a comparison" in capsys.readouterr().err
+    assert "--label, --seed-key and --training-metric are for a comparison" in capsys.readouterr().err
 
 
 def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
@@ -451,6 +451,46 @@ def test_compare_robot_runs_against_env_steps(tmp_path, monkeypatch, capsys):
     )
     assert "flow' has no finished run with held-out 'success_rate'" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.json").exists()
+
+
+def test_compare_a_training_metric_of_robot_runs_at_every_step(tmp_path, monkeypatch, capsys):
+    """--training-metric draws what each training step logged (the rollouts' success), not the
+    held-out evaluations: one point per step that has it, against the env steps counted up to it."""
+    vla = "trainer: vla\nmethod: habc\n"
+    rollouts = [[0.25, 0.0, 0.5, 1.0], [0.75, 0.5, 1.0, 1.0]]
+    runs = [
+        seed_run(
+            tmp_path / f"habc_s{seed}",
+            seed,
+            {0: 0.4, 4: 0.9},
+            config=vla,
+            metric="success_rate",
+            env_steps=[1000 * (step + 1) + 100 * seed for step in range(4)],
+            autonomous_success_rate=rollouts[seed],
+        )
+        for seed in range(2)
+    ]
+    figures = drawn(monkeypatch)
+    png = tmp_path / "rollouts.png"
+    assert main(["report", *runs, "--compare", str(png), "--training-metric", "autonomous_success_rate"]) == 0
+    numbers = json.loads((tmp_path / "rollouts.json").read_text())
+    assert numbers["metric"] == "autonomous_success_rate"
+    assert numbers["source"] == "training steps (metrics.jsonl)"
+    (habc,) = numbers["methods"]
+    assert [p["step"] for p in habc["points"]] == [1, 2, 3, 4]  # no "before" point: nothing was logged
+    assert [p["mean"] for p in habc["points"]] == pytest.approx([0.5, 0.25, 0.75, 1.0])
+    assert [p["x"]["env_steps"] for p in habc["points"]] == [1050.0, 2050.0, 3050.0, 4050.0]
+    assert habc["final"]["mean"] == 1.0 and habc["final"]["std"] == 0.0  # not eval.json's 0.9
+    assert figures[0].axes[0].get_ylabel() == "autonomous_success_rate (training steps)"
+
+    # a name no step logged: the error lists what the run has, and nothing is written
+    bad = tmp_path / "bad.png"
+    assert main(["report", *runs, "--compare", str(bad), "--training-metric", "autonomous_sucess"]) == 2
+    err = capsys.readouterr().err
+    assert "no training step logged 'autonomous_sucess'" in err and "autonomous_success_rate" in err
+    assert not bad.exists() and not bad.with_suffix(".json").exists()
+    assert main(["report", runs[0], "--training-metric", "autonomous_success_rate"]) == 2
+    assert "pass --compare PNG with them" in capsys.readouterr().err
 
 
 def test_compare_mixed_runs_each_drawn_where_it_has_the_axis(tmp_path, monkeypatch):
