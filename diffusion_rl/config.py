@@ -309,12 +309,13 @@ class EvalConfig:
         None,
         "a held-out reward never trained on, e.g. {name: shapes_strict, options: {}} (or just its name): "
         "the held-out samples are also scored by it (heldout_gold), and eval.json flags a run whose "
-        "trained reward rose while it fell; null: none",
+        "gold score fell beyond two paired standard errors (divergence.gold_fell), and whose trained "
+        "reward rose meanwhile (reward_hacking_suspected); null: none",
     )
     divergence_margin: float = option(
         0.01,
         "the smallest change of a held-out score that counts as a rise or a fall for the reward-hacking "
-        "flag (changes within it are noise)",
+        "flag, beside the two paired standard errors a fall must also exceed",
         min=0.0,
     )
 

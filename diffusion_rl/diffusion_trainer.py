@@ -12,7 +12,9 @@ Rewards: `reward` is one registered reward or weighted `terms` (`diffusion_rl.co
 `score` computes every term on the leaves, z-scores each within its tree when `reward.normalize` is
 group, and trains on the weighted sum; `reward_metrics` gives each term's raw mean (reward_<name>).
 `eval.gold_reward` is scored on the held-out samples beside the trained terms but never trained on;
-a run whose trained reward rose while the gold reward fell is flagged in eval.json (`divergence`).
+a run whose trained reward rose while the gold reward fell beyond noise (the first and last
+evaluations share prompts and noise, so the change is paired prompt by prompt, its standard error
+from the per-prompt scores kept in `heldout_scores.json`) is flagged in eval.json (`divergence`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ LORA_TARGETS = {  # module-name suffixes, by model.lora_targets
 }
 GOLD_KEY = "gold"  # held-out metric heldout_gold
 DIVERGENCE_KEY = "divergence"  # eval.json entry of the reward-hacking check
+HELDOUT_SCORES_FILE = "heldout_scores.json"  # per-prompt held-out scores of the before and after evaluations
+NOISE_SE = 2.0  # a held-out change counts as beyond noise past this many paired standard errors
 
 
 class StepRewards(NamedTuple):
@@ -169,16 +173,32 @@ def combine_rewards(
     return total.float()
 
 
+def paired_se(first: Sequence[float] | None, last: Sequence[float] | None) -> float | None:
+    """Standard error of the mean paired change from `first` to `last` (the same prompts and noise in
+    both); None without per-prompt scores for both, of one length, for at least two prompts."""
+    if first is None or last is None or len(first) != len(last) or len(first) < 2:
+        return None
+    diff = torch.tensor(last, dtype=torch.float64) - torch.tensor(first, dtype=torch.float64)
+    return float(diff.std() / len(diff) ** 0.5)
+
+
 def reward_hacking_record(
     first: dict[str, Any] | None,
     last: dict[str, Any] | None,
     trained_key: str,
     gold_key: str,
     margin: float = 0.0,
+    first_scores: dict[str, Sequence[float]] | None = None,
+    last_scores: dict[str, Sequence[float]] | None = None,
 ) -> dict[str, Any] | None:
-    """Whether the trained reward's held-out score rose while the gold reward's fell, each by more
-    than `margin`, from the `first` to the `last` evaluation, with both changes; None when either
-    evaluation lacks either score."""
+    """The change of the trained reward's and the gold reward's held-out means from the `first` to
+    the `last` evaluation, with their paired standard errors where the per-prompt scores of both are
+    given; None when either evaluation lacks either mean.
+
+    ``gold_fell``: the gold mean fell by more than `margin` and, with a standard error, by more than
+    `NOISE_SE` of them. ``reward_hacking_suspected``: that, while the trained mean rose by more than
+    `margin`. A gold fall with the trained reward flat or falling is a run that degraded, not one
+    that games its reward."""
     if first is None or last is None:
         return None
     try:
@@ -186,12 +206,19 @@ def reward_hacking_record(
         gold = float(last[gold_key]) - float(first[gold_key])
     except (KeyError, TypeError, ValueError):
         return None
+    first_scores, last_scores = first_scores or {}, last_scores or {}
+    trained_se = paired_se(first_scores.get(trained_key), last_scores.get(trained_key))
+    gold_se = paired_se(first_scores.get(gold_key), last_scores.get(gold_key))
+    gold_fell = gold < -margin and (gold_se is None or gold < -NOISE_SE * gold_se)
     return {
-        "reward_hacking_suspected": bool(trained > margin and gold < -margin),
+        "reward_hacking_suspected": bool(gold_fell and trained > margin),
+        "gold_fell": bool(gold_fell),
         "trained_metric": trained_key,
         "trained_delta": trained,
+        "trained_se": trained_se,
         "gold_metric": gold_key,
         "gold_delta": gold,
+        "gold_se": gold_se,
     }
 
 
@@ -240,6 +267,7 @@ class DiffusionTrainer(Trainer):
         self.reward_terms = build_reward_terms(cfg.reward)
         self.reward_fn = self.reward_terms[0].fn  # the one reward (terms: see `score`)
         self.last_reward_metrics: dict[str, float] = {}
+        self.last_heldout_scores: dict[str, list[float]] = {}  # per prompt, of the latest evaluation
         self.gold_reward_fn = None
         gold = cfg.eval.gold_reward
         if gold is not None:
@@ -422,9 +450,12 @@ class DiffusionTrainer(Trainer):
     def evaluate(self) -> dict[str, float]:
         """heldout_alignment (geneval_mini) of ODE samples for the fixed held-out prompts and noise, and
         with terms or a gold reward also heldout_<term>, heldout_reward (terms) and heldout_gold. With
-        eval.prompt_file, its prompts scored by the trained reward(s) and the gold reward only."""
+        eval.prompt_file, its prompts scored by the trained reward(s) and the gold reward only. The
+        per-prompt scores stay in `last_heldout_scores` for the reward-hacking check."""
         cfg = self.config.eval
         rewards = self.heldout_rewards()
+        per_prompt: dict[str, list[float]] = {}
+        self.last_heldout_scores = per_prompt
         with self.ema_weights():
             if not rewards:
                 return evaluate_alignment(
@@ -438,12 +469,29 @@ class DiffusionTrainer(Trainer):
                 self.config.seed,
                 rewards=rewards,
                 prompts=self.heldout_prompts,
+                per_prompt=per_prompt,
             )
         keys = [f"heldout_{term.name}" for term in self.reward_terms]
         if self.config.reward.terms is not None and all(key in metrics for key in keys):
             weights = [term.weight for term in self.reward_terms]
             metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))
+            if all(key in per_prompt for key in keys):
+                columns = zip(*(per_prompt[key] for key in keys), strict=True)
+                per_prompt["heldout_reward"] = [
+                    sum(w * v for w, v in zip(weights, row, strict=True)) for row in columns
+                ]
         return metrics
+
+    def write_eval(self, key: str, metrics: dict[str, float]) -> None:
+        """eval.json[key], and with a gold reward the before and after evaluations' per-prompt scores
+        in `HELDOUT_SCORES_FILE`, which the reward-hacking check pairs."""
+        super().write_eval(key, metrics)
+        if not self.is_main or key not in ("before", "after") or self.gold_reward_fn is None:
+            return
+        path = self.run_dir / HELDOUT_SCORES_FILE
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        saved[key] = self.last_heldout_scores
+        path.write_text(json.dumps(saved))
 
     @property
     def result_dir(self) -> Path:
@@ -493,24 +541,37 @@ class DiffusionTrainer(Trainer):
             return None
         path = self.run_dir / "eval.json"
         evals = json.loads(path.read_text()) if path.is_file() else {}
-        gold_key = f"heldout_{GOLD_KEY}"
+        scores_path = self.run_dir / HELDOUT_SCORES_FILE
+        scores = json.loads(scores_path.read_text()) if scores_path.is_file() else {}
         record = reward_hacking_record(
             evals.get("before"),
             evals.get("after"),
             self.trained_heldout_key(),
-            gold_key,
+            f"heldout_{GOLD_KEY}",
             self.config.eval.divergence_margin,
+            scores.get("before"),
+            scores.get("after"),
         )
         if record is None:
             return None
         self.write_eval(DIVERGENCE_KEY, record)
-        if record["reward_hacking_suspected"]:
+        if record["gold_fell"]:
             gold = self.config.eval.gold_reward["name"]
+            noise = (
+                ""
+                if not record["gold_se"]
+                else f" ({-record['gold_delta'] / record['gold_se']:.1f} paired s.e.)"
+            )
+            what, moved = (
+                ("reward hacking suspected", "rose")
+                if record["reward_hacking_suspected"]
+                else ("the run degraded", "moved")
+            )
             print(
-                f"warning: reward hacking suspected: the trained reward's {record['trained_metric']} rose by "
+                f"warning: {what}: the trained reward's {record['trained_metric']} {moved} by "
                 f"{record['trained_delta']:+.4f} while the gold reward {gold} (heldout_gold) fell by "
-                f"{record['gold_delta']:+.4f} from the first to the last evaluation; inspect the samples "
-                f"in {self.samples_dir} (eval.json: {DIVERGENCE_KEY})",
+                f"{record['gold_delta']:+.4f}{noise} from the first to the last evaluation; inspect the "
+                f"samples in {self.samples_dir} (eval.json: {DIVERGENCE_KEY})",
                 file=sys.stderr,
             )
         return record

@@ -81,21 +81,25 @@ def evaluate_alignment(
     grid_path: Path | None = None,
     rewards: Mapping[str, Callable[..., torch.Tensor]] | None = None,
     prompts: Sequence[str] | None = None,
+    per_prompt: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Mean rewards of ODE samples for held-out prompts (fixed prompts and noise): heldout_alignment
     (geneval_mini) for the shapes world's held-out prompts, and heldout_<key> for each of `rewards`
     (reward functions called as ``fn(images, prompts=prompts)``) on the same images. `prompts`: the
-    first `num_prompts` of these instead (a user's held-out prompts: only `rewards` score them)."""
+    first `num_prompts` of these instead (a user's held-out prompts: only `rewards` score them).
+    `per_prompt`, when given, receives each metric's score per prompt, in prompt order: two
+    evaluations of one run share prompts and noise, so their scores pair prompt by prompt."""
     from diffusion_rl.alignment import load_scorer
 
     chosen = evaluation_prompts(num_prompts, prompts)
     images = sample_ode(pipe, chosen, steps, guidance_scale, seed)
     if grid_path is not None:
         save_grid(images[:32], grid_path)
-    metrics = {}
+    scores = {}
     if prompts is None:
-        scores = load_scorer().score(images, [parse_prompt(p) for p in chosen])
-        metrics["heldout_alignment"] = scores.mean().item()
+        scores["heldout_alignment"] = load_scorer().score(images, [parse_prompt(p) for p in chosen]).float()
     for key, fn in (rewards or {}).items():
-        metrics[f"heldout_{key}"] = fn(images, prompts=chosen).float().mean().item()
-    return metrics
+        scores[f"heldout_{key}"] = fn(images, prompts=chosen).float()
+    if per_prompt is not None:
+        per_prompt.update({key: values.tolist() for key, values in scores.items()})
+    return {key: values.mean().item() for key, values in scores.items()}

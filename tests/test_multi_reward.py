@@ -330,26 +330,38 @@ def test_gold_reward_is_logged_at_every_evaluation(model_dir, tmp_path):
 
 class ScriptedEvaluation:
     """evaluate_alignment's stand-in: every call the trained rewards' held-out means move by
-    `trained_step` and the gold reward's by `gold_step`."""
+    `trained_step` and the gold reward's by `gold_step`, each prompt's score by the same step plus,
+    when `spread` > 0, a fixed per-prompt offset drawn anew each call (noise that pairs do not cancel)."""
 
-    def __init__(self, trained_step, gold_step):
+    def __init__(self, trained_step, gold_step, spread=0.0, prompts=16):
         self.calls, self.trained_step, self.gold_step = 0, trained_step, gold_step
+        self.spread, self.prompts = spread, prompts
 
-    def __call__(self, *args, rewards=None, **kwargs):
+    def __call__(self, *args, rewards=None, per_prompt=None, **kwargs):
         n, self.calls = self.calls, self.calls + 1
         metrics = {"heldout_alignment": 0.5}
+        noise = torch.Generator().manual_seed(n)
         for key in rewards or {}:
             step = self.gold_step if key == "gold" else self.trained_step
-            metrics[f"heldout_{key}"] = 1.0 + n * step
+            offsets = torch.randn(self.prompts, generator=noise, dtype=torch.float64) * self.spread
+            scores = 1.0 + n * step + offsets - offsets.mean()  # the mean moves by exactly `step`
+            metrics[f"heldout_{key}"] = float(scores.mean())
+            if per_prompt is not None:
+                per_prompt[f"heldout_{key}"] = scores.tolist()
         return metrics
 
 
 @pytest.mark.parametrize(
-    ("trained_step", "gold_step", "suspected"),
-    [(0.1, -0.05, True), (0.1, 0.05, False), (-0.1, -0.05, False), (0.0, -0.05, False)],
+    ("trained_step", "gold_step", "suspected", "degraded"),
+    [
+        (0.1, -0.05, True, False),
+        (0.1, 0.05, False, False),
+        (-0.1, -0.05, False, True),  # both fall: the run degraded, it does not game its reward
+        (0.0, -0.05, False, True),
+    ],
 )
 def test_divergence_of_trained_and_gold_rewards_is_flagged(
-    model_dir, tmp_path, monkeypatch, capsys, trained_step, gold_step, suspected
+    model_dir, tmp_path, monkeypatch, capsys, trained_step, gold_step, suspected, degraded
 ):
     evaluation = ScriptedEvaluation(trained_step, gold_step)
     monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
@@ -366,14 +378,50 @@ def test_divergence_of_trained_and_gold_rewards_is_flagged(
     assert evaluation.calls == 3  # before, after step 1, after
     record = json.loads((tmp_path / "eval.json").read_text())["divergence"]
     assert record["reward_hacking_suspected"] is suspected
+    assert record["gold_fell"] is (suspected or degraded)
     assert record["trained_metric"] == "heldout_jpeg_incompressibility"
     assert record["trained_delta"] == pytest.approx(2 * trained_step)
     assert record["gold_delta"] == pytest.approx(2 * gold_step)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "reward hacking suspected" in line]
-    assert len(warnings) == (1 if suspected else 0)
+    assert record["gold_se"] == pytest.approx(0.0, abs=1e-12)  # every prompt moved alike
+    scores = json.loads((tmp_path / "heldout_scores.json").read_text())
+    assert set(scores) == {"before", "after"}
+    assert len(scores["after"]["heldout_gold"]) == 16
+    err = capsys.readouterr().err
+    hacking = [line for line in err.splitlines() if "reward hacking suspected" in line]
+    worse = [line for line in err.splitlines() if "the run degraded" in line]
+    assert (len(hacking), len(worse)) == (int(suspected), int(degraded))
     if suspected:
-        assert "trained reward's heldout_jpeg_incompressibility rose by +0.2000" in warnings[0]
-        assert "shapes_strict (heldout_gold) fell by -0.1000" in warnings[0]
+        assert "trained reward's heldout_jpeg_incompressibility rose by +0.2000" in hacking[0]
+        assert "shapes_strict (heldout_gold) fell by -0.1000" in hacking[0]
+    if degraded:
+        assert f"moved by {2 * trained_step:+.4f}" in worse[0]
+
+
+@pytest.mark.parametrize(("spread", "flagged"), [(0.5, False), (0.01, True)])
+def test_a_gold_fall_within_the_paired_noise_is_not_flagged(
+    model_dir, tmp_path, monkeypatch, capsys, spread, flagged
+):
+    """The same mean changes (trained +0.2, gold -0.1): with per-prompt scores that move apart by
+    about 0.7 between evaluations, a 0.1 fall over 16 prompts is within two paired standard errors
+    and not flagged; with prompts that move together it is."""
+    monkeypatch.setattr(
+        "diffusion_rl.diffusion_trainer.evaluate_alignment", ScriptedEvaluation(0.1, -0.05, spread=spread)
+    )
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        "eval.gold_reward={name: shapes_strict}",
+        "steps=2",
+        "eval_every=1",
+        "checkpoint_every=2",
+        setup=False,
+    )
+    trainer.train()
+    record = json.loads((tmp_path / "eval.json").read_text())["divergence"]
+    assert record["gold_delta"] == pytest.approx(-0.1)
+    assert (record["gold_se"] > 0.05) is not flagged
+    assert record["reward_hacking_suspected"] is flagged and record["gold_fell"] is flagged
+    assert ("reward hacking suspected" in capsys.readouterr().err) is flagged
 
 
 def test_without_a_gold_reward_evaluation_and_eval_json_are_as_before(model_dir, tmp_path, monkeypatch):
@@ -402,13 +450,16 @@ def test_reward_hacking_record():
     )
     assert record == {
         "reward_hacking_suspected": True,
+        "gold_fell": True,
         "trained_metric": "heldout_reward",
         "trained_delta": 0.5,
+        "trained_se": None,
         "gold_metric": "heldout_gold",
         "gold_delta": -0.25,
+        "gold_se": None,
     }
     same = reward_hacking_record(first, first, "heldout_reward", "heldout_gold")
-    assert same["reward_hacking_suspected"] is False
+    assert same["reward_hacking_suspected"] is False and same["gold_fell"] is False
     small = {"heldout_reward": 1.005, "heldout_gold": 0.3}  # the trained reward rose by less than 0.01
     assert reward_hacking_record(first, small, "heldout_reward", "heldout_gold")["reward_hacking_suspected"]
     assert not reward_hacking_record(first, small, "heldout_reward", "heldout_gold", margin=0.01)[
@@ -416,6 +467,25 @@ def test_reward_hacking_record():
     ]
     assert reward_hacking_record(None, first, "heldout_reward", "heldout_gold") is None
     assert reward_hacking_record(first, {"heldout_reward": 2.0}, "heldout_reward", "heldout_gold") is None
+
+
+def test_reward_hacking_record_pairs_the_per_prompt_scores():
+    first = {"heldout_reward": 0.5, "heldout_gold": 0.5}
+    last = {"heldout_reward": 0.6, "heldout_gold": 0.4}
+    before = {"heldout_reward": [0.4, 0.6, 0.5, 0.5], "heldout_gold": [0.2, 0.8, 0.5, 0.5]}
+    # gold changes per prompt: -0.1, -0.3, +0.1, -0.1 (mean -0.1, std 0.163, s.e. 0.0816)
+    after = {"heldout_reward": [0.5, 0.7, 0.6, 0.6], "heldout_gold": [0.1, 0.5, 0.6, 0.4]}
+    record = reward_hacking_record(first, last, "heldout_reward", "heldout_gold", 0.01, before, after)
+    assert record["trained_se"] == pytest.approx(0.0, abs=1e-12)
+    assert record["gold_se"] == pytest.approx(np.std([-0.1, -0.3, 0.1, -0.1], ddof=1) / 2)
+    assert record["gold_fell"] is False and record["reward_hacking_suspected"] is False  # 1.2 s.e.
+    tight = {**after, "heldout_gold": [0.1, 0.7, 0.4, 0.4]}  # every prompt -0.1: s.e. 0
+    record = reward_hacking_record(first, last, "heldout_reward", "heldout_gold", 0.01, before, tight)
+    assert record["gold_fell"] is True and record["reward_hacking_suspected"] is True
+    # scores that do not pair (another prompt count) leave the margin alone to decide
+    short = {"heldout_gold": [0.1, 0.7, 0.4]}
+    record = reward_hacking_record(first, last, "heldout_reward", "heldout_gold", 0.01, before, short)
+    assert record["gold_se"] is None and record["reward_hacking_suspected"] is True
 
 
 # -- the strict scorer ------------------------------------------------------------------------------
