@@ -351,6 +351,21 @@ class ScriptedEvaluation:
         return metrics
 
 
+def train_with_gold_reward(model_dir, tmp_path, monkeypatch, evaluation) -> None:
+    """Two steps with a gold reward, evaluated before, after step 1 and after by `evaluation`."""
+    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        "eval.gold_reward={name: shapes_strict}",
+        "steps=2",
+        "eval_every=1",
+        "checkpoint_every=2",
+        setup=False,
+    )
+    trainer.train()
+
+
 @pytest.mark.parametrize(
     ("trained_step", "gold_step", "suspected", "degraded"),
     [
@@ -364,17 +379,7 @@ def test_divergence_of_trained_and_gold_rewards_is_flagged(
     model_dir, tmp_path, monkeypatch, capsys, trained_step, gold_step, suspected, degraded
 ):
     evaluation = ScriptedEvaluation(trained_step, gold_step)
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
-    trainer = trainer_for(
-        model_dir,
-        tmp_path,
-        "eval.gold_reward={name: shapes_strict}",
-        "steps=2",
-        "eval_every=1",
-        "checkpoint_every=2",
-        setup=False,
-    )
-    trainer.train()
+    train_with_gold_reward(model_dir, tmp_path, monkeypatch, evaluation)
     assert evaluation.calls == 3  # before, after step 1, after
     record = json.loads((tmp_path / "eval.json").read_text())["divergence"]
     assert record["reward_hacking_suspected"] is suspected
@@ -404,19 +409,7 @@ def test_a_gold_fall_within_the_paired_noise_is_not_flagged(
     """The same mean changes (trained +0.2, gold -0.1): with per-prompt scores that move apart by
     about 0.7 between evaluations, a 0.1 fall over 16 prompts is within two paired standard errors
     and not flagged; with prompts that move together it is."""
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", ScriptedEvaluation(0.1, -0.05, spread=spread)
-    )
-    trainer = trainer_for(
-        model_dir,
-        tmp_path,
-        "eval.gold_reward={name: shapes_strict}",
-        "steps=2",
-        "eval_every=1",
-        "checkpoint_every=2",
-        setup=False,
-    )
-    trainer.train()
+    train_with_gold_reward(model_dir, tmp_path, monkeypatch, ScriptedEvaluation(0.1, -0.05, spread=spread))
     record = json.loads((tmp_path / "eval.json").read_text())["divergence"]
     assert record["gold_delta"] == pytest.approx(-0.1)
     assert (record["gold_se"] > 0.05) is not flagged
