@@ -105,7 +105,7 @@ class Curve:
         self.steps.append(step)
         self.values.append(value)
         for axis, total in totals.items():
-            self.x[axis].append(step if axis == "step" else total)
+            self.x[axis].append(total)
 
 
 def _metric_value(run: Path, metric: str, raw: Any, where: str) -> float:
