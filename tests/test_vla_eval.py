@@ -213,6 +213,8 @@ def test_evaluate_policy_keeps_its_summary():
         (["policies=[{p0}]", "task=Stack"], "task = 'Stack': unknown sim task"),
         (["policies=[{p0}]", "episodes=0"], "episodes = 0 is out of range"),
         (["policies=[{p0}]", "episode=3"], "did you mean 'episodes'"),
+        (["policies=[{p0}]", "rescue_at=[0]"], "distinct step numbers >= 1"),
+        (["policies=[{p0}]", "rescue_at=[5,5]"], "distinct step numbers >= 1"),
     ],
 )
 def test_bad_inputs_are_clear_errors(policies, tmp_path, overrides, message):
@@ -358,3 +360,34 @@ def test_eval_reports_expert_gaps_by_outcome(policies, tmp_path, capsys):
     assert entry["expert_gap"]["failures_min"] == min(failed)
     assert "largest mean gap to the expert over 4 policy steps" in capsys.readouterr().out
     assert "expert_gap" not in run(policies[:1], tmp_path / "off", "episodes=1")["policies"][policies[0]]
+
+
+@pytest.mark.needs_rendering
+def test_rescue_counts_the_failures_a_take_over_at_each_step_saves(policies, tmp_path, capsys):
+    """At step 1 the Reach expert drives whole episodes and saves every failure of an untrained policy;
+    after the 50-step episodes have ended, a take-over changes nothing."""
+    results = run(policies[:1], tmp_path, "episodes=3", "num_envs=3", "rescue_at=[1,1000]")
+    (entry,) = results["policies"].values()
+    first, late = entry["rescue"]
+    failures = entry["episodes"] - entry["successes"]
+    assert failures > 0  # an untrained policy fails Reach
+    assert first == {
+        "step": 1,
+        "successes": 3,
+        "episodes": 3,
+        "rescued": failures,
+        "failures": failures,
+        "lost": 0,
+    }
+    assert late == {
+        "step": 1000,
+        "successes": entry["successes"],
+        "episodes": 3,
+        "rescued": 0,
+        "failures": failures,
+        "lost": 0,
+    }
+    assert f"expert takes over at step 1: 3/3 succeed, {failures} of the {failures} failures rescued" in (
+        capsys.readouterr().out
+    )
+    assert run(policies[:1], tmp_path / "off", "episodes=1")["policies"][policies[0]]["rescue"] == []

@@ -30,6 +30,12 @@ With ``gap_window=W`` each episode also gets its largest mean RMS gap to the exp
 policy steps, the quantity the training take-over rule compares with ``intervention.threshold``, and
 the table says which thresholds fire in every failed episode and in no successful one. Run it on the
 base a recipe starts from to set the threshold for a new task.
+
+With ``rescue_at=[D,...]`` each policy's episodes run again once per D, with the expert taking over at
+step D of every episode not yet successful and driving it to the end. A take-over helps training only
+where the expert can still finish from the policy's state: the counts of failures rescued at each D
+show how late that is (a scripted expert written for its own start state may not recover from a
+policy's half-done grasp).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
     from sim.experts import Expert
 
 VIDEO_FPS = 10  # the sim's control rate
+RESCUE_STEPS = 1_000_000  # a rescue's take-over lasts to the episode's end
 EXPERT_BORDER = (220, 30, 30)  # GIF frames that follow an expert action get a red border
 TASK_HELP = (  # the task option of every vla config
     "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0), or the gymnasium id of an "
@@ -308,6 +315,12 @@ class VLAPoliciesEvalConfig:
         "fire in every failed episode and in no successful one (0: off)",
         min=0,
     )
+    rescue_at: list[int] = option(
+        [],
+        "for each step D, the same episodes again with the scripted expert taking over at step D (if not "
+        "yet successful) and driving to the end: how many of the policy's failures a take-over at D still "
+        "saves (e.g. [15,30,45])",
+    )
     videos: int = option(0, "GIFs of the first K episodes per policy (OUTPUT_DIR/videos)", min=0)
     video_size: int = option(128, "side of the GIF frames in pixels (front camera)", min=16)
     progress: bool = option(True, "show progress bars")
@@ -317,6 +330,11 @@ class VLAPoliciesEvalConfig:
 def check_config(cfg: VLAPoliciesEvalConfig) -> str:
     """Fail before any rollout on a bad task, policy list or output_dir; return the full task id."""
     check_output_dir(cfg.output_dir, "output_dir")
+    if min(cfg.rescue_at, default=1) < 1 or len(set(cfg.rescue_at)) < len(cfg.rescue_at):
+        raise ConfigError(
+            f"config error: rescue_at = {cfg.rescue_at}: give distinct step numbers >= 1, "
+            "e.g. rescue_at=[15,30]"
+        )
     if not cfg.policies:
         raise ConfigError(
             "config error: policies is empty; pass policies=[DIR,DIR,...] (VLAPolicy directories)"
@@ -344,6 +362,32 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
         return sim.task_id(cfg.task)
     except ValueError as err:
         raise ConfigError(f"config error: task = {cfg.task!r}: {err}") from None
+
+
+def rescue(
+    policy: VLAPolicy | LeRobotPolicy, task: str, cfg: VLAPoliciesEvalConfig, step: int, alone: np.ndarray
+) -> dict[str, Any]:
+    """The episodes of `cfg` again, the expert taking over at `step` and driving to the end; paired with
+    `alone` (each episode's success without help): failures it rescued, successes it lost."""
+    takeover = TakeoverRule(0.0, takeover_steps=RESCUE_STEPS, deadline=step, max_per_episode=1)
+    helped = evaluate_episodes(
+        policy,
+        task,
+        cfg.episodes,
+        cfg.seed,
+        num_envs=cfg.num_envs,
+        deterministic=cfg.deterministic,
+        progress=cfg.progress,
+        takeover=takeover,
+    ).success
+    return {
+        "step": step,
+        "successes": int(helped.sum()),
+        "episodes": len(helped),
+        "rescued": int((helped & ~alone).sum()),
+        "failures": int((~alone).sum()),
+        "lost": int((alone & ~helped).sum()),
+    }
 
 
 def summarise(result: Episodes, gap_window: int = 0) -> dict[str, Any]:
@@ -474,6 +518,7 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
             gap_window=cfg.gap_window,
         )
         entry = summarise(episodes, cfg.gap_window)
+        entry["rescue"] = [rescue(policy, task, cfg, step, episodes.success) for step in cfg.rescue_at]
         if reference is None:
             reference = episodes.success
         else:  # paired on the same episodes: where this policy and the first disagree
@@ -520,6 +565,11 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append("      failures: " + ", ".join(f"{how} {n}" for how, n in entry["failures"].items()))
         if "expert_gap" in entry:
             lines.append("      " + format_gaps(entry["expert_gap"]))
+        for r in entry["rescue"]:
+            lines.append(
+                f"      expert takes over at step {r['step']}: {r['successes']}/{r['episodes']} succeed, "
+                f"{r['rescued']} of the {r['failures']} failures rescued, {r['lost']} successes lost"
+            )
     return "\n".join(lines)
 
 
