@@ -45,7 +45,9 @@ import math
 import re
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -364,22 +366,12 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
         raise ConfigError(f"config error: task = {cfg.task!r}: {err}") from None
 
 
-def rescue(
-    policy: VLAPolicy | LeRobotPolicy, task: str, cfg: VLAPoliciesEvalConfig, step: int, alone: np.ndarray
-) -> dict[str, Any]:
-    """The episodes of `cfg` again, the expert taking over at `step` and driving to the end; paired with
-    `alone` (each episode's success without help): failures it rescued, successes it lost."""
+def rescue(run: Callable[..., Episodes], step: int, alone: np.ndarray) -> dict[str, Any]:
+    """`run`'s episodes again (`evaluate_episodes` with the policy, task and seeds bound), the expert taking
+    over at `step` and driving to the end; paired with `alone` (each episode's success without help):
+    failures it rescued, successes it lost."""
     takeover = TakeoverRule(0.0, takeover_steps=RESCUE_STEPS, deadline=step, max_per_episode=1)
-    helped = evaluate_episodes(
-        policy,
-        task,
-        cfg.episodes,
-        cfg.seed,
-        num_envs=cfg.num_envs,
-        deterministic=cfg.deterministic,
-        progress=cfg.progress,
-        takeover=takeover,
-    ).success
+    helped = run(takeover=takeover).success
     return {
         "step": step,
         "successes": int(helped.sum()),
@@ -504,7 +496,8 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
     gifs: list[tuple[list[np.ndarray], list[bool], Path]] = []  # written once every policy has run
     for index, path in enumerate(cfg.policies):
         policy = load_policy(path)
-        episodes = evaluate_episodes(
+        run = partial(
+            evaluate_episodes,
             policy,
             task,
             cfg.episodes,
@@ -512,13 +505,12 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
             num_envs=cfg.num_envs,
             deterministic=cfg.deterministic,
             progress=cfg.progress,
-            takeover=takeover,
-            videos=cfg.videos,
-            video_size=cfg.video_size,
-            gap_window=cfg.gap_window,
+        )
+        episodes = run(
+            takeover=takeover, videos=cfg.videos, video_size=cfg.video_size, gap_window=cfg.gap_window
         )
         entry = summarise(episodes, cfg.gap_window)
-        entry["rescue"] = [rescue(policy, task, cfg, step, episodes.success) for step in cfg.rescue_at]
+        entry["rescue"] = [rescue(run, step, episodes.success) for step in cfg.rescue_at]
         if reference is None:
             reference = episodes.success
         else:  # paired on the same episodes: where this policy and the first disagree
