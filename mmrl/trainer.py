@@ -303,6 +303,7 @@ class Trainer:
                 "trainer": self.trainer_state(),
                 "rng": {str(rank): r for rank, r in enumerate(rngs)},
                 "skipped": {"steps": self.skipped_steps, "streak": self.nan_streak},
+                "cpu_threads": torch.get_num_threads(),
             }
             save_checkpoint(
                 self.checkpoint_dir,
@@ -327,7 +328,22 @@ class Trainer:
         skipped = checkpoint.state.get("skipped", {"steps": 0, "streak": 0})
         self.skipped_steps, self.nan_streak = int(skipped["steps"]), int(skipped["streak"])
         set_rng_state(checkpoint.state["rng"][str(self.accelerator.process_index)])
+        self.warn_other_thread_count(checkpoint)
         return checkpoint.step
+
+    def warn_other_thread_count(self, checkpoint: Checkpoint) -> None:
+        """A CPU run continued with another number of torch threads rounds its sums in another order, so
+        it does not repeat the uninterrupted run bit for bit: say so, with how to match it."""
+        written_with, now = checkpoint.state.get("cpu_threads"), torch.get_num_threads()
+        if written_with is None or written_with == now or self.accelerator.device.type != "cpu":
+            return
+        if self.is_main:
+            warnings.warn(
+                f"checkpoint {checkpoint.path} was written with {written_with} CPU thread(s) and this "
+                f"launch has {now}: the run continues, but float rounding differs from the uninterrupted "
+                f"run's; launch with OMP_NUM_THREADS={written_with} to repeat it exactly",
+                stacklevel=2,
+            )
 
     def load_weights(self, checkpoint: Checkpoint) -> None:
         try:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,18 @@ def test_a_single_process_watch_never_reports(capfd):
 def test_config_rejects_a_zero_wait_threshold():
     with pytest.raises(ConfigError, match="collective_warn_seconds"):
         load_config("core/tiny_grpo", ["collective_warn_seconds=0"])
+
+
+def test_a_resume_with_another_cpu_thread_count_says_how_to_match_it(finished_run, tmp_path, monkeypatch):
+    run_dir = copy_of(finished_run, tmp_path)
+    written_with = load_checkpoint(run_dir / "checkpoints" / "step_00000003").state["cpu_threads"]
+    assert written_with == torch.get_num_threads()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resume(copy_of(finished_run, tmp_path / "same")) == 0
+    assert not [w for w in caught if "CPU thread" in str(w.message)]  # the same count: no warning
+    monkeypatch.setattr(torch, "get_num_threads", lambda: written_with + 1)
+    with pytest.warns(
+        UserWarning, match=f"written with {written_with} CPU thread.*OMP_NUM_THREADS={written_with}"
+    ):
+        assert resume(run_dir) == 0
