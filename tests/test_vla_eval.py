@@ -215,6 +215,10 @@ def test_evaluate_policy_keeps_its_summary():
         (["policies=[{p0}]", "episode=3"], "did you mean 'episodes'"),
         (["policies=[{p0}]", "rescue_at=[0]"], "distinct step numbers >= 1"),
         (["policies=[{p0}]", "rescue_at=[5,5]"], "distinct step numbers >= 1"),
+        (
+            ["policies=[{p0}]", "rescue_at=[5]", "interventions=true"],
+            "pairs each take-over with the policy alone",
+        ),
     ],
 )
 def test_bad_inputs_are_clear_errors(policies, tmp_path, overrides, message):

@@ -337,6 +337,11 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
             f"config error: rescue_at = {cfg.rescue_at}: give distinct step numbers >= 1, "
             "e.g. rescue_at=[15,30]"
         )
+    if cfg.rescue_at and cfg.interventions:
+        raise ConfigError(
+            "config error: rescue_at pairs each take-over with the policy alone, but interventions=true "
+            "has the expert help in every episode: drop one of the two"
+        )
     if not cfg.policies:
         raise ConfigError(
             "config error: policies is empty; pass policies=[DIR,DIR,...] (VLAPolicy directories)"
