@@ -319,9 +319,9 @@ class VLAPoliciesEvalConfig:
     )
     rescue_at: list[int] = option(
         [],
-        "for each step D, the same episodes again with the scripted expert taking over at step D (if not "
-        "yet successful) and driving to the end: how many of the policy's failures a take-over at D still "
-        "saves (e.g. [15,30,45])",
+        "for each step D, the same episodes again with the scripted expert taking over after the policy's "
+        "first D steps (if not yet successful) and driving to the end: how many of the policy's failures a "
+        "take-over at D still saves (e.g. [15,30,45])",
     )
     videos: int = option(0, "GIFs of the first K episodes per policy (OUTPUT_DIR/videos)", min=0)
     video_size: int = option(128, "side of the GIF frames in pixels (front camera)", min=16)
