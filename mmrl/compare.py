@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from mmrl.config import ConfigError, check_output_dir, load_config, to_dict  # noqa: E402
 from mmrl.report import metric_number  # noqa: E402
-from mmrl.runlog import METRICS_FILE, read_metrics  # noqa: E402
+from mmrl.runlog import METRICS_FILE, read_launches, read_metrics  # noqa: E402
 
 
 def check_plot_path(out: str | Path) -> Path:
@@ -325,6 +325,27 @@ def _legend(method: dict) -> str:
     return f"{method['label']} (n={method['n']}{band})"
 
 
+def warn_mixed_launches(runs: list[Path]) -> None:
+    """Step seconds compare only between launches on the same kind of device with the same numbers of
+    processes and CPU threads: warn when the recorded launches (``launches.jsonl``) of the runs differ."""
+    made_with: dict[tuple, list[str]] = {}
+    for run in runs:
+        for launch in read_launches(run):
+            setting = tuple(launch.get(key) for key in ("device", "processes", "cpu_threads"))
+            made_with.setdefault(setting, []).append(str(run))
+    if len(made_with) > 1:
+        kinds = "; ".join(
+            f"device {device}, {processes} process(es), {threads} CPU thread(s): "
+            + ", ".join(dict.fromkeys(where))
+            for (device, processes, threads), where in made_with.items()
+        )
+        warnings.warn(
+            f"the runs were launched with different settings ({kinds}), so their wall-clock is compared "
+            "only roughly (launches.jsonl in each run directory)",
+            stacklevel=3,
+        )
+
+
 def compare_runs(
     run_dirs: list[str | Path],
     metric: str,
@@ -397,6 +418,8 @@ def compare_runs(
         axes.append("all_nfe")
     axes += ["env_steps"] if any("env_steps" in c.x for c in curves) else []
     axes = axes or ["step"]
+    if "wall_clock_s" in axes:
+        warn_mixed_launches(runs)
     methods = [
         method_summary(label, [curves[i] for i in indices], [seeds[i] for i in indices], axes)
         for label, indices in zip(auto, members, strict=True)

@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mmrl.runlog import METRICS_FILE, read_metrics  # noqa: E402
+from mmrl.runlog import METRICS_FILE, read_launches, read_metrics  # noqa: E402
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".webm")
@@ -451,6 +451,14 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
         return None, f"{path.name} is not valid JSON ({err})"
 
 
+def _launch_text(launch: dict) -> str:
+    return (
+        f"from step {launch.get('from_step', '?')} at {launch.get('started_at', '?')}: "
+        f"{launch.get('device', '?')}, {launch.get('processes', '?')} process(es), "
+        f"{launch.get('cpu_threads', '?')} CPU thread(s), torch {launch.get('torch', '?')}"
+    )
+
+
 def _summary(run: Path, rows: list[dict]) -> str:
     facts: list[tuple[str, Any]] = []
     config_path = run / "config.yaml"
@@ -467,6 +475,9 @@ def _summary(run: Path, rows: list[dict]) -> str:
                 for k in ("trainer", "recipe", "seed", "steps")
                 if k in config and _is_scalar(config[k])
             ]
+    launches = read_launches(run)
+    if launches:
+        facts.append(("launches (launches.jsonl)", "; ".join(_launch_text(launch) for launch in launches)))
     if rows:
         facts.append(("logged steps", len(rows)))
         facts.append(("last step", rows[-1].get("step", "?")))

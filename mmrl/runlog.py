@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import platform
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
 METRICS_FILE = "metrics.jsonl"
+LAUNCHES_FILE = "launches.jsonl"
 
 
 def _plain_number(value: Any) -> Any:
@@ -51,8 +54,8 @@ class MetricsLog:
             self.writer.close()
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS_FILE
+def read_jsonl(path: Path) -> list[Any]:
+    """The rows of a JSON-lines file ([] when it is absent); a line cut short by a kill is skipped."""
     if not path.is_file():
         return []
     rows = []
@@ -60,8 +63,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut short by a kill
+            continue
     return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / METRICS_FILE)
 
 
 def truncate_after(path: Path, step: int) -> None:
@@ -70,3 +77,28 @@ def truncate_after(path: Path, step: int) -> None:
         return
     kept = [row for row in read_metrics(path.parent) if row.get("step", 0) <= step]
     path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
+
+def record_launch(run_dir: Path, from_step: int, device: torch.device, processes: int) -> None:
+    """Append this launch (a start or a resume) to ``launches.jsonl``: what the run was made with, which
+    the numbers it logs depend on. Step seconds depend on the machine and the thread count, and on a
+    CPU the thread count changes float rounding, so two runs compare exactly only when these agree."""
+    from mmrl import __version__
+
+    record = {
+        "from_step": from_step,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": str(device),
+        "processes": processes,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "mmrl": __version__,
+        "python": platform.python_version(),
+    }
+    with (run_dir / LAUNCHES_FILE).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_launches(run_dir: Path) -> list[dict[str, Any]]:
+    """The launches recorded in a run directory, oldest first ([] for runs made before the file)."""
+    return [row for row in read_jsonl(run_dir / LAUNCHES_FILE) if isinstance(row, dict)]

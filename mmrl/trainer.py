@@ -40,7 +40,7 @@ from mmrl.checkpoint import (
 )
 from mmrl.config import BaseConfig, ConfigError, check_output_dir, save_config, to_dict
 from mmrl.memory_plan import MemoryPlan
-from mmrl.runlog import MetricsLog
+from mmrl.runlog import MetricsLog, record_launch
 from mmrl.watch import CollectiveWatch
 
 
@@ -369,6 +369,8 @@ class Trainer:
         self.start_run_dir()
         start = self.restore() if self.config.resume else 0
         log = MetricsLog(self.run_dir, self.config.tensorboard, resume_step=start) if self.is_main else None
+        if self.is_main:
+            record_launch(self.run_dir, start, self.accelerator.device, self.accelerator.num_processes)
         if start == 0:
             before = self.evaluate()
             self.write_eval("before", before)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
-from mmrl.cli import main
+from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.examples.digits import TinyModelConfig, build_model
 from mmrl.registry import TRAINERS
@@ -44,6 +44,7 @@ def one_error_line(capsys) -> str:
 
 
 def tiny_trainer(tmp_path, *overrides: str):
+    load_plugins()  # registers the example trainers, as the CLI does before it reads a recipe
     config = load_config("core/tiny_grpo", [f"output_dir={tmp_path}", *TINY, *overrides])
     return TRAINERS.get(config.trainer)(config)
 
@@ -322,6 +323,17 @@ def test_a_single_process_watch_never_reports(capfd):
 def test_config_rejects_a_zero_wait_threshold():
     with pytest.raises(ConfigError, match="collective_warn_seconds"):
         load_config("core/tiny_grpo", ["collective_warn_seconds=0"])
+
+
+def test_every_launch_records_what_the_run_was_made_with(finished_run, tmp_path):
+    from mmrl.runlog import read_launches
+
+    run_dir = copy_of(finished_run, tmp_path)
+    (first,) = read_launches(run_dir)
+    assert first["from_step"] == 0 and first["processes"] == 1 and first["device"] == "cpu"
+    assert first["cpu_threads"] == torch.get_num_threads() and first["torch"] == torch.__version__
+    assert resume(run_dir) == 0
+    assert [launch["from_step"] for launch in read_launches(run_dir)] == [0, 3]
 
 
 def test_a_resume_with_another_cpu_thread_count_says_how_to_match_it(finished_run, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -383,6 +384,26 @@ def test_compare_refuses_seeds_evaluated_at_different_steps(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before anything is written
     with pytest.raises(compare.ConfigError, match="different steps"):
         compare.compare_runs(runs, "heldout_alignment", png)
+
+
+def test_compare_warns_when_wall_clock_comes_from_runs_launched_differently(tmp_path, monkeypatch):
+    def launched(run: str, threads: int) -> str:
+        launch = {"from_step": 0, "device": "cpu", "processes": 1, "cpu_threads": threads}
+        (Path(run) / "launches.jsonl").write_text(json.dumps(launch) + "\n")
+        return run
+
+    runs = [
+        launched(seed_run(tmp_path / f"m_s{seed}", seed, {0: 0.1, 4: 0.2}, step_seconds=[1.0] * 4), 1)
+        for seed in range(2)
+    ]
+    drawn(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same launch settings: nothing to say
+        compare.compare_runs(runs, "heldout_alignment", tmp_path / "same.png")
+    launched(runs[1], 2)
+    with pytest.warns(UserWarning, match=r"1 CPU thread\(s\): .*m_s0; .*2 CPU thread\(s\): .*m_s1"):
+        compare.compare_runs(runs, "heldout_alignment", tmp_path / "mixed.png")
+    assert "2 CPU thread(s)" in build_report(runs[1])  # the report page lists the launch
 
 
 def test_compare_panels_follow_what_the_runs_logged(tmp_path, monkeypatch):

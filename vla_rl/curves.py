@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mmrl.runlog import read_metrics
 from vla_rl.evaluate import wilson_interval
 
 
@@ -14,8 +15,7 @@ def success_curve(run_dir: Path, counters: dict[str, int]) -> list[tuple[int, in
     each `eval_every` row of metrics.jsonl, and after training (the final counters)."""
     evaluations = json.loads((run_dir / "eval.json").read_text())
     curve = [(0, 0, evaluations["before"]["success_rate"])] if "before" in evaluations else []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in read_metrics(run_dir):
         if "eval_success_rate" in row:
             curve.append((row["env_steps"], row["episodes"], row["eval_success_rate"]))
     if "after" in evaluations and (not curve or curve[-1][0] != counters["env_steps"]):
