@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from mmrl import __version__
+
 METRICS_FILE = "metrics.jsonl"
 LAUNCHES_FILE = "launches.jsonl"
 
@@ -68,6 +70,7 @@ def read_jsonl(path: Path) -> list[Any]:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run directory's ``metrics.jsonl``, in the order they were logged."""
     return read_jsonl(run_dir / METRICS_FILE)
 
 
@@ -83,8 +86,6 @@ def record_launch(run_dir: Path, from_step: int, device: torch.device, processes
     """Append this launch (a start or a resume) to ``launches.jsonl``: what the run was made with, which
     the numbers it logs depend on. Step seconds depend on the machine and the thread count, and on a
     CPU the thread count changes float rounding, so two runs compare exactly only when these agree."""
-    from mmrl import __version__
-
     record = {
         "from_step": from_step,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),

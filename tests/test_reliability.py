@@ -21,6 +21,7 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.examples.digits import TinyModelConfig, build_model
 from mmrl.registry import TRAINERS
+from mmrl.runlog import read_launches
 from mmrl.trainer import TrainingStopped
 from mmrl.watch import CollectiveWatch
 
@@ -326,8 +327,6 @@ def test_config_rejects_a_zero_wait_threshold():
 
 
 def test_every_launch_records_what_the_run_was_made_with(finished_run, tmp_path):
-    from mmrl.runlog import read_launches
-
     run_dir = copy_of(finished_run, tmp_path)
     (first,) = read_launches(run_dir)
     assert first["from_step"] == 0 and first["processes"] == 1 and first["device"] == "cpu"
