@@ -1,4 +1,4 @@
-"""Entry point `mmrl.plugins`: declares diffusion_rl's trainers, rewards, replicas, bench and evaluator.
+"""Entry point `mmrl.plugins`: declares diffusion_rl's trainers, rewards, replicas, benches and evaluator.
 Each module is imported when one of its entries is first used (`Registry.provide`), so a command that
 runs no diffusion code does not load diffusers; tests/test_registry.py checks that every declared entry
 is what its module registers."""
@@ -20,4 +20,5 @@ REWARDS.provide(
 REWARDS.provide("diffusion_rl.alignment", "geneval_mini", "shapes_strict")
 REPLICAS.provide("diffusion_rl.replicas", "flux_dev", "pickscore", "sd35m")
 BENCHES.provide("diffusion_rl.bench", "diffusion")
+BENCHES.provide("diffusion_rl.gradient_bench", "diffusion_gradient")
 EVALUATORS.provide("diffusion_rl.evaluate", "diffusion")

@@ -123,8 +123,18 @@ class BranchGRPOTrainer(DiffusionTrainer):
     # -- one step -------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, Any]:
-        cfg = self.config
         started = time.perf_counter()
+        samples, cond, uncond, metrics = self.collect_samples(step)
+        metrics.update(self.optimise(samples, cond, uncond, step))
+        metrics["step_seconds"] = time.perf_counter() - started  # rollout, reward and update
+        return metrics
+
+    def collect_samples(
+        self, step: int
+    ) -> tuple[list[list[Sample]], Conditioning, Conditioning, dict[str, Any]]:
+        """Steps 1-4 of the module docstring: the trained samples of iteration `step` (grouped as
+        `training_samples` returns them), the prompts' conditioning and the rollout's metrics."""
+        cfg = self.config
         chosen, slots, prompts = self.pick_prompts()
         cond = self.pipe.encode_prompts(prompts)
         uncond = self.uncond_one[[0] * len(prompts)]
@@ -155,7 +165,6 @@ class BranchGRPOTrainer(DiffusionTrainer):
         advantages = {key: 0.0 if key[0] in dropped else a for key, a in advantages.items()}
 
         samples = training_samples(trees, advantages, cfg.prune)
-        metrics.update(self.optimise(samples, cond, uncond, step))
         metrics.update(
             reward=rewards.mean(),
             reward_std=rewards.std(),
@@ -163,11 +172,10 @@ class BranchGRPOTrainer(DiffusionTrainer):
             trained_steps=sum(len(group) for group in samples),
             leaves_per_prompt=len(rewards) / len(trees),
             skipped_steps=self.skipped_steps,
-            step_seconds=time.perf_counter() - started,  # wall-clock of the rollout, reward and update
         )
         if self.is_main and step % 10 == 0:
             save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")
-        return metrics
+        return samples, cond, uncond, metrics
 
     def explore(
         self, slots: list[int], prompts: list[str], cond: Conditioning, uncond: Conditioning, step: int

@@ -217,6 +217,9 @@ CASES = {
     "bench-core-repeats": Case(["bench", "core", "repeats=0", "n_groups=64"], "repeats = 0"),
     "bench-core-device": Case(["bench", "core", "device=cuda:99", "n_groups=64"], "device = 'cuda:99'"),
     "bench-diffusion-iterations": Case(["bench", "diffusion", "iterations=0"], "iterations = 0"),
+    "bench-diffusion_gradient-configs": Case(
+        ["bench", "diffusion_gradient", "configs=[diffusion/flat_grpo,diffusion/nft]"], "diffusion_nft"
+    ),
     "bench-vlm-model": Case(["bench", "vlm", "model={missing}"], "model ="),
     "bench-vlm-rollouts": Case(["bench", "vlm", "rollouts=0"], "rollouts = 0"),
     "bench-vla-model": Case(["bench", "vla", "model={missing}"], "model=", needs=pytest.mark.needs_robot),
