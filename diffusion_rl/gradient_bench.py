@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from diffusion_rl.config import BranchGRPOConfig
+from diffusion_rl.models import FlowPipeline
 from diffusion_rl.trainer import BranchGRPOTrainer, Sample
 from mmrl.bench_all import print_table
 from mmrl.config import ConfigError, load_config
@@ -87,6 +88,28 @@ def _trainer(cfg: BranchGRPOConfig) -> BranchGRPOTrainer:
     trainer.setup()
     trainer.start_run_dir()
     return trainer
+
+
+def _direction(runs: list[str], trainer: BranchGRPOTrainer) -> torch.Tensor:
+    """The mean of the runs' moves (final weights minus the bench's start weights), flattened like
+    the trained parameters, as a unit vector. Each run must have started from the bench's model."""
+    start_path = Path(str(trainer.config.model.path)).resolve()
+    names = [name for name, p in trainer.pipe.denoiser.named_parameters() if p.requires_grad]
+    start = dict(trainer.pipe.denoiser.named_parameters())
+    total = torch.zeros(sum(start[name].numel() for name in names), dtype=torch.float64)
+    for run in runs:
+        config = Path(run) / "config.yaml"
+        if not config.is_file() or not (Path(run) / "final").is_dir():
+            raise ConfigError(f"config error: direction: {run!r} is not a finished run (config.yaml, final/)")
+        origin = load_config(str(config)).model.path
+        if Path(str(origin)).resolve() != start_path:
+            raise ConfigError(
+                f"config error: direction: run {run!r} started from {origin!r}, the bench from "
+                f"{trainer.config.model.path!r}: give runs that started where the bench does"
+            )
+        final = dict(FlowPipeline.from_pretrained(Path(run) / "final").denoiser.named_parameters())
+        total += torch.cat([(final[name] - start[name]).detach().double().flatten() for name in names])
+    return (total / total.norm()).float()
 
 
 def _segment_bounds(cfgs: list[BranchGRPOConfig], segments: list[int] | None) -> list[tuple[int, int]]:
@@ -156,9 +179,26 @@ def _interval(point: float, left_out: list[float]) -> list[float]:
     return [point - 1.645 * se, point + 1.645 * se]
 
 
-def _summary(draws: list[Estimates], labels: list[str]) -> list[dict[str, Any]]:
+def _pushes(
+    projections: list[torch.Tensor], squares: list[torch.Tensor], seconds: list[float]
+) -> list[list[float]]:
+    """Per recipe: the push along the direction (mean of -g . d over the root mean square of |g|: the
+    share of an update that points along d), push per second, and its ratio to the baseline's."""
+    out = []
+    for i, (projection, square) in enumerate(zip(projections, squares, strict=True)):
+        push = float(projection.mean() / square.mean().sqrt()) if float(square.mean()) > 0 else float("nan")
+        out.append([push, push / seconds[i]])
+    for row in out[1:]:
+        row.append(row[1] / out[0][1] if out[0][1] > 0 else float("nan"))
+    return out
+
+
+def _summary(
+    draws: list[Estimates], labels: list[str], direction: torch.Tensor | None
+) -> list[dict[str, Any]]:
     """Per recipe and segment ("all" first): SNR, alignment with the baseline's same segment, signal
-    per second and its ratio to the baseline's, each with a jackknife interval over the rounds."""
+    per second and its ratio to the baseline's, and with a `direction` the push along it; each with a
+    jackknife interval over the rounds."""
     seconds = [statistics.median(d.seconds) for d in draws]
     k, n_segments = draws[0].grads.shape[:2]
     rows = []
@@ -166,12 +206,19 @@ def _summary(draws: list[Estimates], labels: list[str]) -> list[dict[str, Any]]:
         vectors = [(d.grads.sum(1) if segment is None else d.grads[:, segment]).double() for d in draws]
         grams = [v @ v.T for v in vectors]
         crosses = [v @ vectors[0].T for v in vectors]
+        projections = [] if direction is None else [-(v @ direction.double()) for v in vectors]
 
-        def measure(keep: list[int], grams=grams, crosses=crosses) -> list[list[float]]:
+        def measure(
+            keep: list[int], grams=grams, crosses=crosses, projections=projections
+        ) -> list[list[float]]:
             idx = torch.tensor(keep)
             values = _measures([g[idx][:, idx] for g in grams], [c[idx][:, idx] for c in crosses], seconds)
             for row in values[1:]:
                 row.append(row[2] / values[0][2] if values[0][2] > 0 else float("nan"))
+            if projections:
+                pushes = _pushes([p[idx] for p in projections], [g.diagonal()[idx] for g in grams], seconds)
+                for row, push in zip(values, pushes, strict=True):
+                    row += push
             return values
 
         point = measure(list(range(k)))
@@ -184,8 +231,10 @@ def _summary(draws: list[Estimates], labels: list[str]) -> list[dict[str, Any]]:
                 "trained_steps": statistics.mean(draws[i].trained_steps),
             }
             names = ["snr", "alignment", "signal_per_second"] + (["ratio"] if i else [])
+            if direction is not None:
+                names += ["push", "push_per_second"] + (["push_ratio"] if i else [])
             for m, name in enumerate(names):
-                key = "segment_ratio" if name == "ratio" and segment is not None else name
+                key = f"segment_{name}" if name.endswith("ratio") and segment is not None else name
                 row[key] = point[i][m]
                 row[f"{name}_interval"] = _interval(point[i][m], [loo[i][m] for loo in left_out])
             rows.append(row)
@@ -198,11 +247,14 @@ def bench_diffusion_gradient(
     overrides: list[str] | None = None,
     estimates: int = 16,
     segments: list[int] | None = None,
+    direction: list[str] | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """`configs`: branch_grpo recipes or YAML files (a run's config.yaml works), the first the
     baseline; `overrides` apply to all (e.g. model.path=... to start from a run's final weights);
-    `segments`: the first denoising step of each segment (default: the recipes' split steps)."""
+    `segments`: the first denoising step of each segment (default: the recipes' split steps);
+    `direction`: finished runs from the same start, whose mean move also measures each recipe's push
+    along it (the share of an update that points there, per iteration and per second)."""
     configs = list(configs or DEFAULT_CONFIGS)
     if estimates < 3:
         raise ConfigError(
@@ -229,6 +281,7 @@ def bench_diffusion_gradient(
             )
         bounds = _segment_bounds(cfgs, segments)
         trainers = [_trainer(cfg) for cfg in cfgs]
+        towards = None if not direction else _direction(direction, trainers[0])
         size = sum(p.numel() for p in trainers[0].trained_params)
         check_memory(
             4.0 * size * len(bounds) * estimates * len(trainers),
@@ -243,7 +296,7 @@ def bench_diffusion_gradient(
                 record.seconds.append(seconds)
                 record.trained_steps.append(trained)
             print(f"draw {k + 1}/{estimates}", flush=True)
-    rows = _summary(draws, labels)
+    rows = _summary(draws, labels, towards)
     for row in rows:
         start, end = bounds[0][0], bounds[-1][1]
         if row["segment"] != "all":
@@ -253,25 +306,29 @@ def bench_diffusion_gradient(
     def interval(values: list[float]) -> str:
         return f"[{values[0]:.3g}, {values[1]:.3g}]"
 
-    def ratio(row: dict[str, Any]) -> str:
-        value = row.get("ratio", row.get("segment_ratio"))
+    def cell(row: dict[str, Any], name: str, digits: str = ".3g") -> str:
+        value = row.get(name, row.get(f"segment_{name}"))
         if value is None:
             return "-"
-        return f"{value:.3g} {interval(row['ratio_interval'])}"
+        return f"{value:{digits}} {interval(row[f'{name}_interval'])}"
 
+    header = ["recipe", "steps", "s/iter", "trained steps", "SNR [90%]", "alignment [90%]", "ratio [90%]"]
+    if towards is not None:
+        header += ["push [90%]", "push/s ratio [90%]"]
     print_table(
         f"mmrl bench diffusion_gradient: {estimates} draws per recipe from {next(iter(paths))}",
-        ["recipe", "steps", "s/iter", "trained steps", "SNR [90%]", "alignment [90%]", "ratio [90%]"],
+        header,
         [
             [
                 row["variant"],
                 row["steps"],
                 f"{row['seconds']:.2f}",
                 f"{row['trained_steps']:.0f}",
-                f"{row['snr']:.3g} {interval(row['snr_interval'])}",
-                f"{row['alignment']:.2f} {interval(row['alignment_interval'])}",
-                ratio(row),
+                cell(row, "snr"),
+                cell(row, "alignment", ".2f"),
+                cell(row, "ratio"),
             ]
+            + ([cell(row, "push"), cell(row, "push_ratio")] if towards is not None else [])
             for row in rows
         ],
     )

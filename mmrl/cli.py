@@ -239,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", nargs="+", help="run directory (several with --compare)")
     report.add_argument("--compare", metavar="PNG", help="write a comparison plot of the runs to PNG")
     report.add_argument(
+        "--displacement",
+        action="store_true",
+        help="print how far each method's runs moved their weights from their start (model.path) and "
+        "how much of the move its seeds share; methods are grouped, and take --label and --seed-key, "
+        "as with --compare",
+    )
+    report.add_argument(
         "--metric",
         default="heldout_alignment",
         help="held-out metric to compare (eval.json and eval_<metric> in metrics.jsonl), e.g. "
@@ -427,6 +434,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from mmrl.compare import compare_runs
     from mmrl.report import write_report
 
+    if args.displacement:
+        from mmrl.displacement import displacement_summary, print_displacement
+
+        print_displacement(displacement_summary(args.run_dir, args.label, args.seed_key))
+        if not args.compare:
+            return 0
     if args.compare:
         training = args.training_metric is not None
         metric = args.training_metric if training else args.metric

@@ -346,6 +346,42 @@ def warn_mixed_launches(runs: list[Path]) -> None:
         )
 
 
+def distinct_runs(run_dirs: list[str | Path]) -> list[Path]:
+    """The run directories as Paths, refusing one given twice (it would count as two seeds)."""
+    runs = [Path(run_dir) for run_dir in run_dirs]
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        if run.resolve() in seen:
+            raise ConfigError(f"run {str(run)!r} is given twice (as {str(seen[run.resolve()])!r})")
+        seen[run.resolve()] = run
+    return runs
+
+
+def group_methods(runs: list[Path], seed_keys: list[str] | None = None) -> tuple[list[list[int]], list[Any]]:
+    """The runs' indices grouped into methods (`_method_key`), in the order each method's first run
+    is given, and every run's seed."""
+    groups: dict[str, list[int]] = {}
+    seeds: list[Any] = []
+    for i, run in enumerate(runs):
+        key, seed = _method_key(run, tuple(seed_keys or ()))
+        groups.setdefault(key, []).append(i)
+        seeds.append(seed)
+    return list(groups.values()), seeds
+
+
+def chosen_labels(runs: list[Path], members: list[list[int]], labels: list[str] | None) -> list[str]:
+    """`labels` (one per method, checked) or `method_labels`."""
+    auto = method_labels([[runs[i] for i in indices] for indices in members])
+    if labels:
+        if len(labels) != len(members):
+            raise ConfigError(
+                f"--label is given {len(labels)} times for {len(members)} method(s) ({', '.join(auto)}, in "
+                "that order): give one per method, in the order its first run is given"
+            )
+        return list(labels)
+    return auto
+
+
 def compare_runs(
     run_dirs: list[str | Path],
     metric: str,
@@ -370,21 +406,9 @@ def compare_runs(
     numbers = out.with_suffix(".json")
     if numbers.is_dir():
         raise ConfigError(f"--compare {str(out)!r}: its numbers go to {str(numbers)!r}, which is a directory")
-    runs = [Path(run_dir) for run_dir in run_dirs]
-    seen: dict[Path, Path] = {}
-    for run in runs:
-        if run.resolve() in seen:
-            raise ConfigError(f"run {str(run)!r} is given twice (as {str(seen[run.resolve()])!r})")
-        seen[run.resolve()] = run
+    runs = distinct_runs(run_dirs)
     curves = [(training_curve if training else held_out_curve)(run, metric) for run in runs]
-
-    groups: dict[str, list[int]] = {}
-    seeds: list[Any] = []
-    for i, run in enumerate(runs):
-        key, seed = _method_key(run, tuple(seed_keys or ()))
-        groups.setdefault(key, []).append(i)
-        seeds.append(seed)
-    members = list(groups.values())
+    members, seeds = group_methods(runs, seed_keys)
     for indices in members:
         first = curves[indices[0]]
         for i in indices[1:]:
@@ -404,14 +428,7 @@ def compare_runs(
                 "each counts as a seed of the method",
                 stacklevel=2,
             )
-    auto = method_labels([[runs[i] for i in indices] for indices in members])
-    if labels:
-        if len(labels) != len(members):
-            raise ConfigError(
-                f"--label is given {len(labels)} times for {len(members)} method(s) ({', '.join(auto)}, in "
-                "that order): give one per method, in the order its first run is given"
-            )
-        auto = list(labels)
+    auto = chosen_labels(runs, members, labels)
 
     axes = [axis for axis in ("wall_clock_s", "nfe") if any(axis in c.x for c in curves)]
     if any(c.explore for c in curves):

@@ -139,3 +139,46 @@ def test_bench_rows_and_ratio(model_dir):
 def test_bad_options_are_one_clear_error(model_dir, kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         bench_diffusion_gradient(**{"overrides": overrides(model_dir), **kwargs})
+
+
+def test_push_is_positive_towards_where_descent_goes_and_negative_away(model_dir, tmp_path):
+    """A run that moved its weights down the gradient of the bench's own first draw points where the
+    recipe's updates go: their push along it is positive; a run that climbed it gets a negative push."""
+    args = [*overrides(model_dir), "rollout.split_steps=[0,2,4]"]
+    probe = _trainer(_load("diffusion/branchgrpo", args, 0, str(tmp_path / "probe")))
+    first, _, _ = _draw(probe, 0, [(0, 6)])
+    pushes = {}
+    for sign, name in ((-1.0, "descent"), (1.0, "ascent")):
+        run = tmp_path / name
+        _trainer(_load("diffusion/branchgrpo", args, 0, str(run)))  # writes run/config.yaml
+        pipe = FlowPipeline.from_pretrained(model_dir)
+        offset = 0
+        for p in (p for p in pipe.denoiser.parameters() if p.requires_grad):
+            with torch.no_grad():
+                p += sign * 1e3 * first[0, offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        pipe.save_pretrained(run / "final")
+        rows = bench_diffusion_gradient(
+            configs=["diffusion/branchgrpo"] * 2, overrides=args, estimates=3, direction=[str(run)]
+        )
+        pushes[name] = rows[0]["push"]
+        assert rows[0]["push_interval"][0] <= rows[0]["push"] <= rows[0]["push_interval"][1]
+        assert "push_ratio" in rows[1] and "push_ratio" not in rows[0]
+    assert pushes["descent"] > 0.2 and pushes["ascent"] == pytest.approx(-pushes["descent"], rel=1e-3)
+
+
+def test_direction_runs_must_start_where_the_bench_does(model_dir, tmp_path):
+    other = tmp_path / "other_model"
+    FlowPipeline.tiny(vocabulary(), SMALL).save_pretrained(other)
+    run = tmp_path / "run"
+    args = [*overrides(model_dir), "rollout.split_steps=[0,2,4]"]
+    _trainer(_load("diffusion/branchgrpo", [*args, f"model.path={other}"], 0, str(run)))
+    FlowPipeline.from_pretrained(other).save_pretrained(run / "final")
+    with pytest.raises(ConfigError, match="started from"):
+        bench_diffusion_gradient(
+            configs=["diffusion/branchgrpo"] * 2, overrides=args, estimates=3, direction=[str(run)]
+        )
+    with pytest.raises(ConfigError, match="not a finished run"):
+        bench_diffusion_gradient(
+            configs=["diffusion/branchgrpo"] * 2, overrides=args, estimates=3, direction=[str(tmp_path)]
+        )
