@@ -15,6 +15,11 @@ Per recipe:
   iterations gather signal along the baseline's direction. Its ratio to the baseline's is the
   bench's ratio: below 1, the recipe needs more wall-clock than the baseline to learn as much.
 
+- push (with `direction`, finished runs from the same weights): the mean of -g . d over the root
+  mean square of |g|, d the runs' mean move as a unit vector: the share of an update that points
+  where those runs went. One number per draw, so it resolves with far fewer draws than the SNR of a
+  whole gradient; its per-second ratio to the baseline's is printed beside the SNR's.
+
 The same per segment of denoising steps (the gradient of the samples at those steps alone), so a
 tree's credit can be read per depth. Intervals are 90%, from the delete-one jackknife over the
 rounds of draws.
@@ -93,6 +98,11 @@ def _trainer(cfg: BranchGRPOConfig) -> BranchGRPOTrainer:
 def _direction(runs: list[str], trainer: BranchGRPOTrainer) -> torch.Tensor:
     """The mean of the runs' moves (final weights minus the bench's start weights), flattened like
     the trained parameters, as a unit vector. Each run must have started from the bench's model."""
+    if trainer.config.model.lora_rank > 0:
+        raise ConfigError(
+            "config error: direction: the recipes train a LoRA adapter, and a finished run's weights hold "
+            "it merged; give direction only for recipes that train every weight (model.lora_rank = 0)"
+        )
     start_path = Path(str(trainer.config.model.path)).resolve()
     names = [name for name, p in trainer.pipe.denoiser.named_parameters() if p.requires_grad]
     start = dict(trainer.pipe.denoiser.named_parameters())
