@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusion_rl.branch_rollout import ancestors, plan_for, rollout_trees, step_log_probs, training_samples
-from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import FlowPipeline
 from diffusion_rl.sde import sde_step, shifted_sigmas
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer
@@ -15,12 +15,9 @@ from mmrl.config import ConfigError, load_config
 from mmrl.registry import SAMPLERS
 from mmrl.trainer import TrainingStopped
 from mmrl.tree import depthwise_node_advantages
+from tests.tiny_flow import SMALL
 
 load_plugins()
-
-SMALL = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 
 
 @pytest.fixture(scope="module")

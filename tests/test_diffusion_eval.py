@@ -8,17 +8,14 @@ import torch
 
 from diffusion_rl import evaluate
 from diffusion_rl.evaluate import DiffusionEvalConfig, evaluate_models, paired
-from diffusion_rl.models import LORA_FILE, LORA_WEIGHTS, FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import LORA_FILE, LORA_WEIGHTS, FlowPipeline
 from diffusion_rl.shapes import vocabulary
 from mmrl.cli import load_plugins, main
 from mmrl.config import REPO_ROOT, ConfigError
 from tests.test_lora_export import save_lora_result
+from tests.tiny_flow import SMALL
 
 load_plugins()
-
-SMALL = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 
 
 @pytest.fixture(scope="module")

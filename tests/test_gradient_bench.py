@@ -15,16 +15,13 @@ from diffusion_rl.gradient_bench import (
     bench_diffusion_gradient,
     signal_noise,
 )
-from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import FlowPipeline
 from diffusion_rl.shapes import vocabulary
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError
+from tests.tiny_flow import SMALL
 
 load_plugins()
-
-SMALL = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 
 
 @pytest.fixture(scope="module")

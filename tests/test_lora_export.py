@@ -18,18 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffusion_rl.models import LORA_FILE, FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import LORA_FILE, FlowPipeline
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.cli import load_plugins
 from mmrl.config import REPO_ROOT, ConfigError, load_config
 from tests.test_diffusers_pipelines import save_sd1, save_sd3
+from tests.tiny_flow import SMALL as SMALL_SD3
 
 load_plugins()
 RANK, ALPHA = 4, 12.0  # diffusers' default (alpha = rank) would apply a third of the trained change
-SMALL_SD3 = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 
 # Run in a fresh interpreter: argv = family, base directory, LoRA result, inputs file, outputs file.
 PLAIN_DIFFUSERS = r"""

@@ -16,7 +16,7 @@ from diffusion_rl.diffusion_trainer import (
     group_zscore,
     reward_hacking_record,
 )
-from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import FlowPipeline
 from diffusion_rl.shapes import (
     Scene,
     prompt_text,
@@ -31,12 +31,10 @@ from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, build, load_config, to_dict
 from mmrl.registry import REWARDS
+from tests.tiny_flow import SMALL
 
 load_plugins()
 
-SMALL = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 TERMS = (
     "reward.terms=[{name: jpeg_incompressibility, weight: 1.0}, "
     "{name: jpeg_compressibility, weight: 0.5, options: {quality: 90}}]"

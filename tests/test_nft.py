@@ -7,18 +7,16 @@ import pytest
 import torch
 
 from diffusion_rl.branch_rollout import rollout_trees
-from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import FlowPipeline
 from diffusion_rl.nft_trainer import DiffusionNFTTrainer, old_policy_decay
 from diffusion_rl.shapes import train_prompts, vocabulary
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, load_config
 from mmrl.trainer import TrainingStopped
+from tests.tiny_flow import SMALL
 
 load_plugins()
 
-SMALL = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 NO_EVAL = {"heldout_alignment": 0.0}
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusion_rl.branch_rollout import ancestors, rollout_trees
-from diffusion_rl.models import FlowPipeline, TinyFlowSpec
+from diffusion_rl.models import FlowPipeline
 from diffusion_rl.quantized_exploration import (
     KeptLeaves,
     exploration_plan,
@@ -21,12 +21,9 @@ from mmrl.cli import load_plugins
 from mmrl.config import load_config
 from mmrl.precision import explore_precision
 from mmrl.tree import RolloutTree
+from tests.tiny_flow import SMALL
 
 load_plugins()
-
-SMALL = TinyFlowSpec(
-    image_size=16, patch_size=4, layers=1, heads=2, head_dim=8, text_hidden=16, text_layers=1
-)
 
 
 def fp4_config(*overrides):
