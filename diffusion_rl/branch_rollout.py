@@ -261,14 +261,19 @@ def set_leaf_rewards(trees: list[RolloutTree], rewards: torch.Tensor) -> None:
 
 
 def path_advantages(trees: list[RolloutTree], leaf_advantages: torch.Tensor) -> dict[tuple[int, int], float]:
-    """Flat credit (a group advantage per leaf, tree-major): every edge on a leaf's path carries its
-    leaf's advantage, keyed by (tree index, node id). In a tree of depth 1 the path is the leaf's edge.
-    Node credit from a tree estimator is `mmrl.tree.fused_node_advantages`."""
+    """Flat credit (a group advantage per leaf, tree-major): every edge carries the mean advantage of
+    the leaves below it, keyed by (tree index, node id). In a tree of depth 1 that is its leaf's. With
+    `training_samples(..., leaf_weighted=True)` an edge then counts once per leaf below it, so the loss
+    is flat GRPO's on the leaves' paths, each shared step evaluated once. Node credit from a tree
+    estimator is `mmrl.tree.fused_node_advantages`."""
     advantages = {}
     for t, (tree, row) in enumerate(zip(trees, leaf_advantages.view(len(trees), -1).tolist(), strict=True)):
+        total, count = [0.0] * len(tree), [0] * len(tree)
         for leaf, a in zip(tree.leaves(), row, strict=True):
             for _, child in tree.path_to(leaf):
-                advantages[(t, child)] = a
+                total[child] += a
+                count[child] += 1
+        advantages.update({(t, n): total[n] / count[n] for n in range(1, len(tree))})
     return advantages
 
 
@@ -280,16 +285,32 @@ def trained_edges(tree: RolloutTree, node_advantages: list[float], prune: PruneC
 
 
 def training_samples(
-    trees: list[RolloutTree], advantages: dict[tuple[int, int], float], prune: PruneConfig
-) -> list[list[tuple[int, StepRecord, float]]]:
-    """(tree index, step record, advantage) for every stochastic step of every trained edge, in
-    groups that share their input: siblings' first steps start from their parent's latent at the
-    split, so the update evaluates the model once for them, as the rollout did."""
-    groups: dict[tuple[int, int, int], list[tuple[int, StepRecord, float]]] = {}
+    trees: list[RolloutTree],
+    advantages: dict[tuple[int, int], float],
+    prune: PruneConfig,
+    leaf_weighted: bool = False,
+) -> list[list[tuple[int, StepRecord, float, float]]]:
+    """(tree index, step record, advantage, weight) for every stochastic step of every trained edge,
+    in groups that share their input: siblings' first steps start from their parent's latent at the
+    split, so the update evaluates the model once for them, as the rollout did. The weight is 1, or
+    with `leaf_weighted` the number of leaves below the edge (it stands for that many paths)."""
+    groups: dict[tuple[int, int, int], list[tuple[int, StepRecord, float, float]]] = {}
     for t, tree in enumerate(trees):
         node_advantages = [advantages.get((t, n), 0.0) for n in range(len(tree))]
+        leaves_below = leaf_counts(tree) if leaf_weighted else [1] * len(tree)
         for parent, child in trained_edges(tree, node_advantages, prune):
             for k, record in enumerate(tree.nodes[child].state["records"]):
                 key = (t, parent if k == 0 else child, record.step)
-                groups.setdefault(key, []).append((t, record, node_advantages[child]))
+                sample = (t, record, node_advantages[child], float(leaves_below[child]))
+                groups.setdefault(key, []).append(sample)
     return list(groups.values())
+
+
+def leaf_counts(tree: RolloutTree) -> list[int]:
+    """How many leaves lie below each node (1 for a leaf), by node id."""
+    counts = [0] * len(tree)
+    for node in reversed(tree.nodes):  # children come after their parent
+        counts[node.node_id] = counts[node.node_id] or 1
+        if node.parent_id is not None:
+            counts[node.parent_id] += counts[node.node_id]
+    return counts

@@ -123,8 +123,9 @@ class TrainConfig:
     lr: float = option(1e-4, "AdamW learning rate", min=0.0)
     advantage: str = option(
         "tree_depthwise",
-        "advantage estimator: a tree one (tree_depthwise is BranchGRPO's), or a group one when "
-        "rollout.split_steps = [0]",
+        "advantage estimator: a tree one (node credit; tree_depthwise is BranchGRPO's), or a group one "
+        "over each tree's leaves (flat credit: an edge counts once per leaf below it with their mean "
+        "advantage, which on a branching tree is flat GRPO's loss on the leaves' paths)",
         registry="advantage",
         kinds=("group", "tree"),
     )
@@ -370,11 +371,13 @@ class BranchGRPOConfig(BaseConfig):
             )
         if len(r.split_steps) == 1:
             check_group_size(self.train.advantage, r.branch_factor, "rollout.branch_factor")
-        elif not ADVANTAGES.has_kind(self.train.advantage, "tree"):
+        elif ADVANTAGES.tag(self.train.advantage, "group_size") == "odd" and r.branch_factor % 2 == 0:
+            leaves = r.branch_factor ** len(r.split_steps)  # one group of a tree's leaves
             raise ConfigError(
-                f"config error: train.advantage = {self.train.advantage!r} scores leaves only, but "
-                f"rollout.split_steps = {r.split_steps} builds trees whose shared edges need node "
-                "advantages: use train.advantage=tree_depthwise, or rollout.split_steps=[0]"
+                f"config error: {self.train.advantage} needs an odd number of leaves per tree, but "
+                f"rollout.branch_factor = {r.branch_factor} with {len(r.split_steps)} splits gives "
+                f"{leaves}: use an odd rollout.branch_factor or a tree estimator "
+                "(train.advantage=tree_depthwise)"
             )
         if self.explore.enabled and self.explore.keep % 2:
             raise ConfigError(

@@ -8,9 +8,12 @@ One training step, read top to bottom in `BranchGRPOTrainer.train_step`:
 3. denoising trees are rolled out (`diffusion_rl.branch_rollout`): every node branches
    `branch_factor` ways at each split step, and every random draw is keyed, so replays are exact;
 4. the leaves are rewarded; the sampler sees every prompt's rewards; advantages (`train.advantage`)
-   come from a tree estimator on the rewards fused up each tree, or a group estimator per tree;
+   come from a tree estimator on the rewards fused up each tree (node credit), or from a group
+   estimator per tree over its leaves (flat credit: an edge carries the mean of its leaves');
 5. the policy loss (`train.loss`) on the log-prob of every stochastic step of every trained edge
-   (an edge parent -> child carries A(child)), then the optimizer step and the EMA.
+   (an edge parent -> child carries A(child); with flat credit it counts once per leaf below it, so
+   on a branching tree the loss is flat GRPO's on the leaves' paths), then the optimizer step and
+   the EMA.
 
 Flat GRPO (DanceGRPO / Flow-GRPO) is ``split_steps: [0]`` with ``branch_factor`` = group size and a
 group advantage estimator (``grpo`` or ``grpo_global_std``). The Mix variant is ``sde_window``: SDE
@@ -62,7 +65,13 @@ from mmrl.tree import RolloutTree, fused_node_advantages
 FORWARD_LATENTS = 64
 TRAINING_LATENTS = 512  # the same with gradients
 
-Sample = tuple[int, StepRecord, float]  # (tree index, a stored stochastic step, its edge's advantage)
+# (tree index, a stored stochastic step, its edge's advantage, its weight: the paths it stands for)
+Sample = tuple[int, StepRecord, float, float]
+
+
+def sample_weight(samples: list[Sample]) -> float:
+    """The paths `samples` stand for: the denominator of their weighted mean loss."""
+    return sum(w for _, _, _, w in samples)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +173,8 @@ class BranchGRPOTrainer(DiffusionTrainer):
         dropped = {t for t, slot in enumerate(slots) if not keep[slot]}  # filtered out by the sampler
         advantages = {key: 0.0 if key[0] in dropped else a for key, a in advantages.items()}
 
-        samples = training_samples(trees, advantages, cfg.prune)
+        flat_credit = not ADVANTAGES.has_kind(cfg.train.advantage, "tree")
+        samples = training_samples(trees, advantages, cfg.prune, leaf_weighted=flat_credit)
         metrics.update(
             reward=rewards.mean(),
             reward_std=rewards.std(),
@@ -230,7 +240,7 @@ class BranchGRPOTrainer(DiffusionTrainer):
             for start in range(0, len(minibatch), cfg.train.micro_batch):
                 chunk = minibatch[start : start + cfg.train.micro_batch]
                 loss, metrics = self.chunk_loss(chunk, cond, uncond, sigmas, split_steps)
-                self.backward(loss * len(chunk) / len(minibatch))
+                self.backward(loss * sample_weight(chunk) / sample_weight(minibatch))
                 stats.append((len(chunk), metrics, float(loss.detach())))
             grad_norms.append(float(self.apply_gradients(cfg.train.max_grad_norm, cfg.train.nan_patience)))
             self.update_ema()
@@ -245,20 +255,29 @@ class BranchGRPOTrainer(DiffusionTrainer):
         split_steps: set[int],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The policy loss of a micro-batch, plus `train.kl_coef` times the KL of the step means to
-        the reference model's; a non-finite loss or log-prob skips the step."""
+        the reference model's, both means weighted by the samples' weights; a non-finite loss or
+        log-prob skips the step."""
         cfg = self.config.train
-        old = torch.tensor([r.old_logp for _, r, _ in chunk], device=self.pipe.device)
-        adv = torch.tensor([a for _, _, a in chunk], device=self.pipe.device)
+        device = self.pipe.device
+        old = torch.tensor([r.old_logp for _, r, _, _ in chunk], device=device)
+        adv = torch.tensor([a for _, _, a, _ in chunk], device=device)
+        weights = torch.tensor([w for _, _, _, w in chunk], device=device)
         out = self.chunk_log_probs(self.model, chunk, cond, uncond, sigmas, split_steps)
         result: LossOutput = self.policy_loss(
-            out.log_prob, old, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high, adv_clip=cfg.adv_clip
+            out.log_prob,
+            old,
+            adv,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            adv_clip=cfg.adv_clip,
+            weights=weights,
         )
         loss = result.loss
         if self.reference is not None:
             with torch.no_grad():
                 ref = self.chunk_log_probs(self.reference, chunk, cond, uncond, sigmas, split_steps)
-            kl = gaussian_kl_same_std(out.mean, ref.mean, out.std).mean()
-            loss = loss + cfg.kl_coef * kl
+            kl = gaussian_kl_same_std(out.mean, ref.mean, out.std)
+            loss = loss + cfg.kl_coef * (kl * weights).sum() / weights.sum()
         if not self.all_finite(loss, out.log_prob):
             self.skip_step("non-finite loss or log-prob", cfg.nan_patience)
         return loss, result.metrics
@@ -274,10 +293,10 @@ class BranchGRPOTrainer(DiffusionTrainer):
     ) -> StepOutput:
         """Log-probs of a micro-batch of stored steps under `denoiser` (the policy or the reference).
         Rows with the same prompt, step and latent (siblings at a split) share one model evaluation."""
-        tree_index = torch.tensor([t for t, _, _ in chunk], device=self.pipe.device)
-        steps = torch.tensor([r.step for _, r, _ in chunk], device=self.pipe.device)
-        x = torch.stack([r.x for _, r, _ in chunk])
-        x_next = torch.stack([r.x_next for _, r, _ in chunk])
+        tree_index = torch.tensor([t for t, _, _, _ in chunk], device=self.pipe.device)
+        steps = torch.tensor([r.step for _, r, _, _ in chunk], device=self.pipe.device)
+        x = torch.stack([r.x for _, r, _, _ in chunk])
+        x_next = torch.stack([r.x_next for _, r, _, _ in chunk])
         sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
         rows = torch.cat([tree_index[:, None], steps[:, None], x.flatten(1)], dim=1).float()
         _, inverse = torch.unique(rows, dim=0, return_inverse=True)
@@ -292,5 +311,5 @@ class BranchGRPOTrainer(DiffusionTrainer):
             uncond[prompts],
             denoiser=denoiser,
         )[inverse]
-        is_split = torch.tensor([r.step in split_steps for _, r, _ in chunk])
+        is_split = torch.tensor([r.step in split_steps for _, r, _, _ in chunk])
         return step_log_probs(self.config.rollout, v, x, sigma, sigma_next, x_next, is_split)

@@ -3,7 +3,7 @@ name, of two kinds (see `mmrl.registry.LOSSES`):
 
 - policy losses are called as loss(logp, old_logp, advantages, mask, **options) and return a
   `LossOutput`; the trainers pass ppo_clip's options (clip_low, clip_high, adv_clip and, where they
-  have it, aggregation), so a new one takes those keywords too.
+  have them, aggregation and weights), so a new one takes those keywords too.
 - forward-process losses are called as loss(velocity, old_velocity, x_t, x0, t, optimality, **options)
   on noised clean samples of a flow-matching policy (diffusion_nft) and return a `LossOutput`.
 
@@ -38,16 +38,27 @@ def aggregate_loss(
     mask: Tensor | None = None,
     aggregation: str = "token_mean",
     norm_length: int | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """Reduce a per-token (or per-step) loss to a scalar.
 
-    token_mean: mean over every unmasked element of the batch (long sequences weigh more).
+    token_mean: mean over every unmasked element of the batch (long sequences weigh more); with
+    `weights` (shaped like the loss, positive) the weighted mean, so an element that stands for
+    several samples (a denoising step that several leaves of a tree share) counts as that many.
     sequence_mean: mean over each sequence's unmasked elements, then over sequences with any.
     sum_norm: sum / (B * norm_length) with a fixed length (Dr.GRPO: no length bias either way).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
     mask = _bool_mask(mask, per_element)
+    if weights is not None:
+        if aggregation != "token_mean" or weights.shape != per_element.shape:
+            raise ValueError(
+                f"weights must be shaped like the loss {tuple(per_element.shape)} and need token_mean "
+                f"aggregation, got {tuple(weights.shape)} with {aggregation}"
+            )
+        weights = torch.where(mask, weights, 0.0)
+        return (per_element * weights).where(mask, 0.0).sum() / weights.sum().clamp(min=1e-12)
     values = torch.where(mask, per_element, 0.0)
     if values.dim() == 1:
         values, mask = values[:, None], mask[:, None]
@@ -73,11 +84,13 @@ def ppo_clip(
     adv_clip: float | None = None,
     aggregation: str = "token_mean",
     norm_length: int | None = None,
+    weights: Tensor | None = None,
 ) -> LossOutput:
     """PPO clipped surrogate with separate low/high clip ranges (DAPO clip-higher).
 
     ratio = exp(logp - old_logp) is clipped to [1 - clip_low, 1 + clip_high]; the per-element loss is
     -min(ratio * A, clip(ratio) * A), so entries whose clipped term is active get no gradient.
+    `weights` (per element, token_mean only) weigh the mean, see `aggregate_loss`.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
@@ -89,7 +102,7 @@ def ppo_clip(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, aggregation, norm_length)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, aggregation, norm_length, weights)
     with torch.no_grad():
         metrics = {
             "clip_fraction": _masked_mean((clipped > unclipped).float(), mask),

@@ -5,11 +5,20 @@ import json
 import pytest
 import torch
 
-from diffusion_rl.branch_rollout import ancestors, plan_for, rollout_trees, step_log_probs, training_samples
+from diffusion_rl.branch_rollout import (
+    ancestors,
+    path_advantages,
+    plan_for,
+    rollout_trees,
+    set_leaf_rewards,
+    step_log_probs,
+    training_samples,
+)
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.sde import sde_step, shifted_sigmas
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import BranchGRPOTrainer
+from mmrl.advantages import grpo
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import SAMPLERS
@@ -151,7 +160,7 @@ def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path, monkeypatch):
     # siblings' first steps (at splits 0, 2, 4: 1 + 2 + 4 parents per tree) share their input
     assert len(groups) == len(samples) - 2 * (1 + 2 + 4)
     for group in groups:
-        assert all(torch.equal(r.x, group[0][1].x) and r.step == group[0][1].step for _, r, _ in group)
+        assert all(torch.equal(r.x, group[0][1].x) and r.step == group[0][1].step for _, r, _, _ in group)
     cond = trainer.pipe.encode_prompts([trainer.prompts[3], trainer.prompts[5]])
     evaluated, velocity = [], trainer.pipe.velocity
     monkeypatch.setattr(
@@ -162,11 +171,60 @@ def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path, monkeypatch):
             trainer.model, samples, cond, trainer.uncond_one[[0, 0]], shifted_sigmas(8), {0, 2, 4}
         )
     assert evaluated == [len(groups)]  # one model evaluation per shared input
-    old = torch.tensor([r.old_logp for _, r, _ in samples])
+    old = torch.tensor([r.old_logp for _, r, _, _ in samples])
     # exact for the same velocity (tests/test_sde.py); here the training batch differs from the rollout
     # batches, so the model's matmuls round differently: ratios are 1 to float32 rounding
     ratio = (out.log_prob - old).exp()
     assert (ratio - 1).abs().max() < 1e-5
+
+
+def test_flat_credit_on_a_tree_is_flat_grpo_on_its_leaves_paths(model_dir, tmp_path):
+    """A group estimator on a branching tree: each edge counts once per leaf below it with their mean
+    advantage, so the loss (KL term included) and its gradient equal flat GRPO's on every leaf's full
+    path, taken as its own sample, while each shared step is evaluated once."""
+    trainer = trainer_for(model_dir, tmp_path, "train.advantage=grpo", "train.kl_coef=0.5")
+    trees, _, _ = rollout(trainer, trainer.plan)
+    rewards = torch.rand(
+        sum(len(tree.leaves()) for tree in trees), generator=torch.Generator().manual_seed(0)
+    )
+    leaf_advantages = grpo(rewards, torch.arange(len(trees)).repeat_interleave(8)).values
+    weighted = [
+        s
+        for g in training_samples(trees, path_advantages(trees, leaf_advantages), trainer.config.prune, True)
+        for s in g
+    ]
+    unrolled = [
+        (t, record, a, 1.0)
+        for t, (tree, row) in enumerate(zip(trees, leaf_advantages.view(2, 8).tolist(), strict=True))
+        for leaf, a in zip(tree.leaves(), row, strict=True)
+        for _, child in tree.path_to(leaf)
+        for record in tree.nodes[child].state["records"]
+    ]
+    assert len(weighted) == 2 * (2 * 2 + 4 * 2 + 8 * 4) and len(unrolled) == 2 * 8 * 8
+    assert sum(w for *_, w in weighted) == len(unrolled)
+    # the root's first child carries the mean advantage of its four leaves, counted four times
+    first = [(a, w) for t, r, a, w in weighted if t == 0 and r.step == 0]
+    assert first[0] == (pytest.approx(leaf_advantages[:4].mean().item()), 4.0)
+    cond = trainer.pipe.encode_prompts([trainer.prompts[3], trainer.prompts[5]])
+    args = (cond, trainer.uncond_one[[0, 0]], shifted_sigmas(8), {0, 2, 4})
+
+    def loss_and_gradient(samples):
+        trainer.model.zero_grad()
+        loss, _ = trainer.chunk_loss(samples, *args)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+
+    loss, gradient = loss_and_gradient(weighted)
+    flat_loss, flat_gradient = loss_and_gradient(unrolled)
+    assert gradient.norm() > 0
+    assert loss == pytest.approx(flat_loss.item(), rel=1e-4, abs=1e-8)
+    torch.testing.assert_close(
+        gradient, flat_gradient, rtol=1e-3, atol=1e-7 * flat_gradient.abs().max().item()
+    )
+    # node credit (tree_depthwise) on the same tree weighs every edge once
+    set_leaf_rewards(trees, rewards)
+    node = training_samples(trees, depthwise_node_advantages(trees), trainer.config.prune)
+    assert {w for g in node for *_, w in g} == {1.0}
 
 
 def test_training_steps_change_the_model_and_log(model_dir, tmp_path):
@@ -309,9 +367,9 @@ def test_prompts_the_sampler_does_not_keep_get_no_credit(model_dir, tmp_path, mo
     trainer.sampler.update = lambda indices, rewards, groups: torch.tensor([True, False])
     seen = {}
 
-    def spy(trees, advantages, prune):
+    def spy(trees, advantages, prune, leaf_weighted):
         seen["advantages"] = advantages
-        return training_samples(trees, advantages, prune)
+        return training_samples(trees, advantages, prune, leaf_weighted)
 
     monkeypatch.setattr("diffusion_rl.trainer.training_samples", spy)
     trainer.train_step(0)

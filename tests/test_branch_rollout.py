@@ -106,7 +106,10 @@ def test_training_samples_group_siblings_first_steps_and_carry_the_childs_advant
     assert len(groups) == 9
     assert sorted(len(g) for g in groups) == [1] * 6 + [2] * 3
     child_of = {id(r): n for n in range(1, 7) for r in trees[0].nodes[n].state["records"]}
-    assert all(a == float(child_of[id(r)]) for _, r, a in samples)
+    assert all(a == float(child_of[id(r)]) and w == 1.0 for _, r, a, w in samples)
+    # flat credit: an edge counts once per leaf below it (2 under each child of the root)
+    weighted = [s for group in training_samples(trees, advantages, PruneConfig(), True) for s in group]
+    assert all(w == (2.0 if child_of[id(r)] <= 2 else 1.0) for _, r, _, w in weighted)
     pruned = training_samples(trees, advantages, PruneConfig(depths=[2]))
     assert sum(len(g) for g in pruned) == 2 * 2
 

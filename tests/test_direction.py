@@ -113,12 +113,16 @@ def first_branch(key: int, branch_factor: int) -> int:
     return key
 
 
-def test_branch_grpo_update_raises_the_rewarded_subtree(flow_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("advantage", ["tree_depthwise", "grpo"])
+def test_branch_grpo_update_raises_the_rewarded_subtree(flow_dir, tmp_path, monkeypatch, advantage):
     """Leaves under the root's first child score 1, the others 0: every node in the first subtree has
-    the higher fused reward at its depth, every node in the second the lower."""
+    the higher fused reward at its depth, every node in the second the lower; with flat credit
+    (`grpo`) every edge in the first subtree carries its leaves' positive advantage."""
     from diffusion_rl import trainer as module
 
-    trainer = branch_trainer("diffusion/branchgrpo", flow_dir, tmp_path, "train.lr=1e-3")
+    trainer = branch_trainer(
+        "diffusion/branchgrpo", flow_dir, tmp_path, "train.lr=1e-3", f"train.advantage={advantage}"
+    )
     seen = {}
     rollout_trees = module.rollout_trees
 
@@ -140,7 +144,7 @@ def test_branch_grpo_update_raises_the_rewarded_subtree(flow_dir, tmp_path, monk
     for t, tree in enumerate(seen["trees"]):
         for node in tree.nodes[1:]:
             for record in node.state["records"]:
-                chunk.append((t, record, 0.0))
+                chunk.append((t, record, 0.0, 1.0))
                 sign.append(1.0 if first_branch(node.state["key"], 2) == 1 else -1.0)
     args = (chunk, seen["cond"], seen["uncond"], trainer.pipe.sigmas(8), set(trainer.plan.split_steps))
     with torch.no_grad():

@@ -91,6 +91,22 @@ def test_advantage_clipping():
     assert out.loss.item() == pytest.approx(-(1.0 - 0.5) / 2)
 
 
+def test_weights_count_an_element_as_that_many_copies():
+    """Integer weights give the loss of the batch with each element repeated that many times, clipped
+    elements included; a masked element's weight counts for nothing."""
+    logp = torch.tensor([0.0, 0.3, -0.2, 0.1])
+    old_logp = torch.zeros(4)
+    advantages = torch.tensor([1.0, 2.0, -1.0, 0.5])
+    weights = torch.tensor([3.0, 1.0, 2.0, 5.0])
+    mask = torch.tensor([True, True, True, False])
+    out = ppo_clip(logp, old_logp, advantages, mask, clip_low=0.1, clip_high=0.1, weights=weights)
+    repeat = torch.tensor([0, 0, 0, 1, 2, 2])
+    copies = ppo_clip(logp[repeat], old_logp[repeat], advantages[repeat], clip_low=0.1, clip_high=0.1)
+    assert out.loss.item() == pytest.approx(copies.loss.item())
+    with pytest.raises(ValueError, match="token_mean"):
+        ppo_clip(logp, old_logp, advantages, weights=weights, aggregation="sum_norm", norm_length=1)
+
+
 def test_masked_entries_are_ignored_exactly():
     torch.manual_seed(0)
     logp = torch.randn(3, 5)

@@ -95,7 +95,7 @@ def test_unreadable_or_ambiguous_yaml_is_refused(content, named, tmp_path, capsy
         ("core/tiny_grpo", "train.advantage=mc_grpo", "odd number"),
         ("core/tiny_branch_grpo", "train.advantage=grpo", "tree_depthwise"),
         ("diffusion/branchgrpo_quick", "train.advantage=gae", "is a temporal advantage"),
-        ("diffusion/branchgrpo_quick", "train.advantage=rloo", "tree_depthwise"),
+        ("diffusion/branchgrpo_quick", "train.advantage=mc_grpo", "odd number of leaves per tree"),
     ],
 )
 def test_an_estimator_the_trainer_cannot_feed_is_refused(recipe, override, named, capsys):
