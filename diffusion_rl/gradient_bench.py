@@ -38,7 +38,7 @@ import torch
 
 from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.trainer import BranchGRPOTrainer, Sample
+from diffusion_rl.trainer import BranchGRPOTrainer, Sample, sample_weight
 from mmrl.bench_all import print_table
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import BENCHES
@@ -159,7 +159,7 @@ def _draw(
         for i in range(0, len(part), micro):
             chunk = part[i : i + micro]
             loss, _ = trainer.chunk_loss(chunk, cond, uncond, sigmas, split_steps)
-            (loss * len(chunk) / len(samples)).backward()  # the segment's share of the mean loss
+            (loss * sample_weight(chunk) / sample_weight(samples)).backward()  # its share of the mean
         if part:
             grads[s] = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().cpu() for p in params]

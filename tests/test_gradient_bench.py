@@ -82,8 +82,14 @@ def test_alignment_recovers_the_angle_between_expected_gradients():
     assert math.isnan(alignment(noise_only @ noise_only.T, -1.0, 1.0))
 
 
-def test_segments_add_up_to_the_gradient_a_training_step_follows(model_dir, tmp_path, monkeypatch):
-    cfg_args = [*overrides(model_dir), "rollout.split_steps=[0,2,4]", "train.minibatches=1"]
+@pytest.mark.parametrize("advantage", ["tree_depthwise", "grpo"])  # node credit; flat credit, weighted
+def test_segments_add_up_to_the_gradient_a_training_step_follows(model_dir, tmp_path, monkeypatch, advantage):
+    cfg_args = [
+        *overrides(model_dir),
+        "rollout.split_steps=[0,2,4]",
+        "train.minibatches=1",
+        f"train.advantage={advantage}",
+    ]
     first = _trainer(_load("diffusion/branchgrpo", cfg_args, 0, str(tmp_path / "a")))
     bounds = _segment_bounds([first.config], None)
     assert bounds == [(0, 2), (2, 4), (4, 6)]
