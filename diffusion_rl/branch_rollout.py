@@ -297,20 +297,10 @@ def training_samples(
     groups: dict[tuple[int, int, int], list[tuple[int, StepRecord, float, float]]] = {}
     for t, tree in enumerate(trees):
         node_advantages = [advantages.get((t, n), 0.0) for n in range(len(tree))]
-        leaves_below = leaf_counts(tree) if leaf_weighted else [1] * len(tree)
+        leaves_below = tree.leaf_counts() if leaf_weighted else [1] * len(tree)
         for parent, child in trained_edges(tree, node_advantages, prune):
             for k, record in enumerate(tree.nodes[child].state["records"]):
                 key = (t, parent if k == 0 else child, record.step)
                 sample = (t, record, node_advantages[child], float(leaves_below[child]))
                 groups.setdefault(key, []).append(sample)
     return list(groups.values())
-
-
-def leaf_counts(tree: RolloutTree) -> list[int]:
-    """How many leaves lie below each node (1 for a leaf), by node id."""
-    counts = [0] * len(tree)
-    for node in reversed(tree.nodes):  # children come after their parent
-        counts[node.node_id] = counts[node.node_id] or 1
-        if node.parent_id is not None:
-            counts[node.parent_id] += counts[node.node_id]
-    return counts

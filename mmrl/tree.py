@@ -86,6 +86,15 @@ class RolloutTree:
     def leaves(self) -> list[int]:
         return [node.node_id for node in self.nodes if node.is_leaf]
 
+    def leaf_counts(self) -> list[int]:
+        """How many leaves lie below each node (1 for a leaf), by node id."""
+        counts = [0] * len(self.nodes)
+        for node in reversed(self.nodes):  # children come after their parent, so they are done first
+            counts[node.node_id] = counts[node.node_id] or 1
+            if node.parent_id is not None:
+                counts[node.parent_id] += counts[node.node_id]
+        return counts
+
     def nodes_at_depth(self, depth: int) -> list[int]:
         return [node.node_id for node in self.nodes if node.depth == depth]
 
@@ -122,16 +131,15 @@ class RolloutTree:
         if missing:
             raise ValueError(f"leaves {missing} have no reward; call set_leaf_reward first")
         leaf_sum = [0.0] * len(self.nodes)
-        leaf_count = [0] * len(self.nodes)
+        leaf_count = self.leaf_counts()
         for node in reversed(self.nodes):  # children come after their parent, so they are done first
             if mode == "mean":
                 if node.is_leaf:
-                    leaf_sum[node.node_id], leaf_count[node.node_id] = node.reward, 1
+                    leaf_sum[node.node_id] = node.reward
                 else:
                     node.reward = leaf_sum[node.node_id] / leaf_count[node.node_id]
                 if node.parent_id is not None:
                     leaf_sum[node.parent_id] += leaf_sum[node.node_id]
-                    leaf_count[node.parent_id] += leaf_count[node.node_id]
             elif not node.is_leaf:
                 children = [self.nodes[i] for i in node.children]
                 edge_logps = torch.tensor([_edge_logp(child) for child in children], dtype=torch.float64)
