@@ -90,7 +90,8 @@ def ppo_clip(
 
     ratio = exp(logp - old_logp) is clipped to [1 - clip_low, 1 + clip_high]; the per-element loss is
     -min(ratio * A, clip(ratio) * A), so entries whose clipped term is active get no gradient.
-    `weights` (per element, token_mean only) weigh the mean, see `aggregate_loss`.
+    `weights` (per element, token_mean only) weigh the mean, see `aggregate_loss`, and the logged
+    means alike, so the clip fraction and KL describe the same batch as the loss.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
@@ -105,9 +106,10 @@ def ppo_clip(
     loss = aggregate_loss(torch.maximum(unclipped, clipped), mask, aggregation, norm_length, weights)
     with torch.no_grad():
         metrics = {
-            "clip_fraction": _masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": _masked_mean(ratio - 1.0 - log_ratio, mask),  # k3 estimate of KL(old || new)
-            "ratio_mean": _masked_mean(ratio, mask),
+            "clip_fraction": aggregate_loss((clipped > unclipped).float(), mask, weights=weights),
+            # k3 estimate of KL(old || new)
+            "approx_kl": aggregate_loss(ratio - 1.0 - log_ratio, mask, weights=weights),
+            "ratio_mean": aggregate_loss(ratio, mask, weights=weights),
             "ratio_max": torch.where(mask, ratio, -torch.inf).max() if mask.any() else ratio.new_tensor(1.0),
         }
     return LossOutput(loss, metrics)
@@ -275,7 +277,3 @@ def _broadcast_advantages(advantages: Tensor, logp: Tensor) -> Tensor:
     if advantages.dim() == 1 and logp.dim() == 2:
         advantages = advantages[:, None]
     return advantages.expand_as(logp)
-
-
-def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)

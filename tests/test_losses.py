@@ -92,8 +92,8 @@ def test_advantage_clipping():
 
 
 def test_weights_count_an_element_as_that_many_copies():
-    """Integer weights give the loss of the batch with each element repeated that many times, clipped
-    elements included; a masked element's weight counts for nothing."""
+    """Integer weights give the loss and the logged means of the batch with each element repeated that
+    many times, clipped elements included; a masked element's weight counts for nothing."""
     logp = torch.tensor([0.0, 0.3, -0.2, 0.1])
     old_logp = torch.zeros(4)
     advantages = torch.tensor([1.0, 2.0, -1.0, 0.5])
@@ -103,6 +103,9 @@ def test_weights_count_an_element_as_that_many_copies():
     repeat = torch.tensor([0, 0, 0, 1, 2, 2])
     copies = ppo_clip(logp[repeat], old_logp[repeat], advantages[repeat], clip_low=0.1, clip_high=0.1)
     assert out.loss.item() == pytest.approx(copies.loss.item())
+    for name in ("clip_fraction", "approx_kl", "ratio_mean"):
+        assert out.metrics[name].item() == pytest.approx(copies.metrics[name].item()), name
+    assert out.metrics["clip_fraction"].item() == pytest.approx(3 / 6)  # element 1 once, element 2 twice
     with pytest.raises(ValueError, match="token_mean"):
         ppo_clip(logp, old_logp, advantages, weights=weights, aggregation="sum_norm", norm_length=1)
 
