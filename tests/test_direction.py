@@ -27,12 +27,22 @@ def assert_direction(delta: torch.Tensor, sign: torch.Tensor) -> None:
 # ----- tiny GRPO (mmrl/examples/tiny_grpo.py) ----------------------------------------------------
 
 
-def test_tiny_grpo_update_raises_rewarded_answers(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("recipe", "advantage"),
+    [
+        ("core/tiny_grpo", "grpo"),
+        ("core/tiny_branch_grpo", "tree_depthwise"),
+        ("core/tiny_branch_grpo", "grpo"),
+    ],
+    ids=["flat", "tree-node-credit", "tree-flat-credit"],
+)
+def test_tiny_grpo_update_raises_rewarded_answers(tmp_path, monkeypatch, recipe, advantage):
     from mmrl.examples import tiny_grpo
 
     config = load_config(
-        "core/tiny_grpo",
+        recipe,
         [
+            f"train.advantage={advantage}",
             "model.path=null",
             "model.hidden_size=32",
             "task.train_prompts=64",

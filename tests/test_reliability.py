@@ -93,7 +93,7 @@ def test_unreadable_or_ambiguous_yaml_is_refused(content, named, tmp_path, capsy
         ("core/tiny_grpo", "train.advantage=gae", "is a temporal advantage (rewards, values, dones)"),
         ("core/tiny_grpo", "train.advantage=td1", "is a temporal advantage (rewards, values, dones)"),
         ("core/tiny_grpo", "train.advantage=mc_grpo", "odd number"),
-        ("core/tiny_branch_grpo", "train.advantage=grpo", "tree_depthwise"),
+        ("core/tiny_branch_grpo", "train.advantage=mc_grpo", "odd number of leaves per tree"),
         ("diffusion/branchgrpo_quick", "train.advantage=gae", "is a temporal advantage"),
         ("diffusion/branchgrpo_quick", "train.advantage=mc_grpo", "odd number of leaves per tree"),
     ],

@@ -133,9 +133,35 @@ def test_eval_and_report_commands(tmp_path, capsys):
 
 def test_tree_estimators_are_recognised_by_their_kind():
     assert ADVANTAGES.has_kind("tree_depthwise", "tree") and not ADVANTAGES.has_kind("grpo", "tree")
-    trees = "tree_depthwise, tree_subgroup, tree_value"
-    with pytest.raises(ConfigError, match=rf"use a tree advantage \({trees}\)"):
-        load_config("core/tiny_branch_grpo", ["train.advantage=rloo"])
+    assert load_config("core/tiny_branch_grpo", ["train.advantage=rloo"]).train.advantage == "rloo"
+    with pytest.raises(ConfigError, match="odd number of leaves per tree.*gives 16"):
+        load_config("core/tiny_branch_grpo", ["train.advantage=mc_grpo"])
+
+
+def test_flat_credit_on_a_tree_trains_every_leaf_whole_answer_with_its_group_advantage(tmp_path):
+    """A group estimator on a branching tree: each tree's 16 leaves are one group, and every token of
+    a leaf's answer (shared prefix included) carries that leaf's advantage, counted once per leaf."""
+    config = load_config("core/tiny_branch_grpo", [*TINY, f"output_dir={tmp_path}", "train.advantage=grpo"])
+    trainer = TinyGRPOTrainer(config)
+    trainer.prepare_run_dir()
+    trainer.seed_everything()
+    trainer.setup()
+    prompts = trainer.train_prompts[:2]
+    trees = sample_trees(trainer.model, prompts, [0, 1], config.rollout, seed=0, step=0)
+    owners = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
+    for t, leaf in owners:  # distinct rewards, so every advantage differs from its neighbours'
+        trees[t].set_leaf_reward(leaf, float(leaf % 7) + t)
+    node_adv = trainer.node_advantages(trees)
+    assert set(node_adv) == set(owners)
+    rewards = torch.tensor([trees[t].nodes[leaf].reward for t, leaf in owners]).view(2, 16)
+    expected = ADVANTAGES.get("grpo")(rewards.flatten(), torch.arange(2).repeat_interleave(16)).values
+    _, adv, mask = trainer.token_targets(trees, owners, node_adv)
+    assert torch.equal(mask, torch.ones_like(mask))
+    torch.testing.assert_close(adv, expected[:, None].expand_as(adv))
+    # node credit on the same trees counts each of a tree's 2 + 4 + 8 + 16 edges once
+    trainer.config.train.advantage = "tree_depthwise"
+    _, _, node_mask = trainer.token_targets(trees, owners, trainer.node_advantages(trees))
+    assert node_mask.sum() == 2 * (2 + 4 + 8 + 16)
 
 
 def test_the_policy_loss_is_the_one_train_loss_names(tmp_path, monkeypatch):

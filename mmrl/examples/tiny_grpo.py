@@ -66,7 +66,9 @@ class TinyGRPOTrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay", min=0.0)
     advantage: str = option(
         "grpo",
-        "advantage estimator: a group one (flat rollouts) or a tree one, e.g. tree_depthwise (any rollouts)",
+        "advantage estimator: a tree one (node credit, e.g. tree_depthwise), or a group one (flat credit: "
+        "each tree's leaves are one group and every leaf's whole answer is trained with its advantage, "
+        "which on a branching tree is flat GRPO on the leaves)",
         registry="advantage",
         kinds=("group", "tree"),
     )
@@ -102,14 +104,15 @@ class TinyGRPOConfig(BaseConfig):
                 f"config error: rollout.split_positions = {self.rollout.split_positions} must be increasing, "
                 f"start at 0 and stay below task.digits = {self.task.digits}"
             )
-        if len(self.rollout.split_positions) == 1:
-            check_group_size(self.train.advantage, self.rollout.branch_factor, "rollout.branch_factor")
-        elif not ADVANTAGES.has_kind(self.train.advantage, "tree"):
-            trees = ", ".join(ADVANTAGES.names_of_kind(("tree",)))
+        r = self.rollout
+        if len(r.split_positions) == 1:
+            check_group_size(self.train.advantage, r.branch_factor, "rollout.branch_factor")
+        elif ADVANTAGES.tag(self.train.advantage, "group_size") == "odd" and r.branch_factor % 2 == 0:
             raise ConfigError(
-                f"config error: train.advantage = {self.train.advantage!r} scores leaves only, but "
-                f"rollout.split_positions = {self.rollout.split_positions} builds trees whose shared edges "
-                f"need node advantages: use a tree advantage ({trees}), or split_positions=[0]"
+                f"config error: {self.train.advantage} needs an odd number of leaves per tree, but "
+                f"rollout.branch_factor = {r.branch_factor} with {len(r.split_positions)} splits gives "
+                f"{r.branch_factor ** len(r.split_positions)}: use an odd rollout.branch_factor or a tree "
+                "estimator (train.advantage=tree_depthwise)"
             )
         check_task_size(self.task)
 
@@ -310,7 +313,8 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         return metrics
 
     def node_advantages(self, trees: list[RolloutTree]) -> dict[tuple[int, int], float]:
-        """A(node) for every non-root node, keyed by (tree index, node id)."""
+        """Keyed by (tree index, node id): a tree estimator's A(node) for every non-root node, or a group
+        estimator's A(leaf) with each tree's leaves as one group."""
         cfg = self.config
         if ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
             estimator = ADVANTAGES.get(cfg.train.advantage)
@@ -325,7 +329,12 @@ class TinyGRPOTrainer(DigitReversalTrainer):
     def token_targets(
         self, trees: list[RolloutTree], owners: list[tuple[int, int]], node_adv: dict[tuple[int, int], float]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Old log-prob, advantage and a count-once mask per (leaf, answer token)."""
+        """Old log-prob, advantage and mask per (leaf, answer token).
+
+        Node credit trains each edge once, with A(edge's node). Flat credit (a group estimator) trains
+        every leaf's whole answer with the leaf's advantage, so a shared edge counts once per leaf below it.
+        """
+        flat_credit = not ADVANTAGES.has_kind(self.config.train.advantage, "tree")
         k = self.config.task.digits
         old_logp = torch.zeros(len(owners), k)
         adv = torch.zeros(len(owners), k)
@@ -338,8 +347,8 @@ class TinyGRPOTrainer(DigitReversalTrainer):
                 span = len(node.action)
                 position -= span
                 old_logp[row, position : position + span] = node.old_logp
-                adv[row, position : position + span] = node_adv.get((t, child), 0.0)
-                if (t, child) not in counted:
+                adv[row, position : position + span] = node_adv.get((t, leaf if flat_credit else child), 0.0)
+                if flat_credit or (t, child) not in counted:
                     counted.add((t, child))
                     mask[row, position : position + span] = 1.0
         return old_logp, adv, mask
