@@ -11,6 +11,7 @@ from mmrl.advantages import tree_depthwise
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.noise import NoiseKey
+from mmrl.registry import ADVANTAGES
 from mmrl.tree import fused_node_advantages
 from vlm_rl.config import DEFAULT_MODEL
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
@@ -288,14 +289,16 @@ def test_a_flat_tree_trains_like_the_flat_group(tmp_path):
     assert runs["flat_tree_estimator"][0]["loss"] == pytest.approx(flat["loss"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.parametrize("advantage", ["tree_depthwise", "grpo"], ids=["node-credit", "flat-credit"])
 @pytest.mark.parametrize("sign", [1, -1])
-def test_a_rewarded_leaf_becomes_more_likely(tmp_path, sign):
+def test_a_rewarded_leaf_becomes_more_likely(tmp_path, sign, advantage):
     """Leaf 0 alone rewarded (sign 1) or alone not (sign -1): every sampled token of it gets an
-    advantage of that sign through the tree's node advantages, and one update raises its log-prob,
-    or lowers it."""
+    advantage of that sign, through the tree's node advantages or as its leaf's group advantage, and
+    one update raises its log-prob, or lowers it."""
     trainer = trainer_for(
         tmp_path,
         "vlm/tool_grpo_tree",
+        f"train.advantage={advantage}",
         "train.questions_per_step=1",
         "rollout.tree.branching=[2,2]",
         "train.kl_coef=0",
@@ -313,7 +316,8 @@ def test_a_rewarded_leaf_becomes_more_likely(tmp_path, sign):
 
     def optimise(trajectories, advantages, step, prefixes):
         leaf = trajectories[0]
-        seen["advantages"] = [a for a, m in zip(advantages[0].tolist(), leaf.loss_mask, strict=True) if m]
+        per_token = advantages[0].expand(len(leaf.loss_mask))  # flat credit: one per sequence
+        seen["advantages"] = [a for a, m in zip(per_token.tolist(), leaf.loss_mask, strict=True) if m]
         seen["before"] = leaf_log_prob(leaf)
         out = real(trajectories, advantages, step, prefixes)
         trainer.adapter.model.eval()
@@ -351,17 +355,28 @@ def test_the_tree_recipe_trains_and_resumes(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["train.advantage=grpo"], "use a tree advantage (tree_depthwise"),
-        (["rollout.partial.enabled=true"], "not supported together"),
-    ],
-)
-def test_tree_rollouts_refuse_what_they_cannot_train(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        load_config("vlm/tool_grpo_tree", overrides)
+def test_tree_rollouts_refuse_what_they_cannot_train():
+    with pytest.raises(ConfigError, match="not supported together"):
+        load_config("vlm/tool_grpo_tree", ["rollout.partial.enabled=true"])
+    with pytest.raises(ConfigError, match="odd number of rollouts per group"):
+        load_config("vlm/tool_grpo_tree", ["train.advantage=mc_grpo"])
     load_config("vlm/tool_grpo", ["train.advantage=tree_depthwise"])  # flat groups are depth-1 trees
+    load_config("vlm/tool_grpo_tree", ["train.advantage=grpo"])  # flat credit on the tree's leaves
+
+
+def test_flat_credit_on_a_tree_gives_each_leaf_its_group_advantage(tmp_path):
+    """A group estimator on tree rollouts scores each question's leaves as its group, one advantage
+    per leaf for its whole answer (shared segments included), as on a flat group with those rewards."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
+    trainer = trainer_for(
+        tmp_path, "vlm/tool_grpo_tree", "train.advantage=grpo", "rollout.tree.branching=[2,2]"
+    )
+    trainer.reward_fn = lambda texts, **kwargs: rewards
+    seen = {}
+    trainer.optimise = lambda trajectories, advantages, step, prefixes: seen.update(a=advantages) or {}
+    trainer.train_step(0)
+    groups = torch.arange(len(rewards)).div(trainer.config.train.group_size, rounding_mode="floor")
+    torch.testing.assert_close(seen["a"], ADVANTAGES.get("grpo")(rewards, groups).values)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from transformers import PretrainedConfig
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.partial import groups_in_flight
-from mmrl.registry import ADVANTAGES
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from vlm_rl.data import DataConfig
 from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig
@@ -40,8 +39,9 @@ class ToolGRPOTrainConfig:
     filter_equal_groups: bool = option(True, "drop groups whose rewards are all equal (no signal)")
     advantage: str = option(
         "grpo",
-        "advantage estimator: a group one over each question's flat group, or a tree one, e.g. "
-        "tree_depthwise (scores every node of rollout.tree's trees; on flat groups, their depth-1 trees)",
+        "advantage estimator: a group one (each question's group, or its tree's leaves: every leaf's "
+        "whole answer gets its advantage), or a tree one, e.g. tree_depthwise (scores every node of "
+        "rollout.tree's trees, each segment trained with its node's; on flat groups, their depth-1 trees)",
         registry="advantage",
         kinds=("group", "tree"),
     )
@@ -87,15 +87,7 @@ class ToolGRPOConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_group_size(self.train.advantage, self.train.group_size, "train.group_size")
-        tree = self.rollout.tree
-        if tree.enabled and not ADVANTAGES.has_kind(self.train.advantage, "tree"):
-            trees = ", ".join(ADVANTAGES.names_of_kind(("tree",)))
-            raise ConfigError(
-                f"config error: train.advantage = {self.train.advantage!r} scores the leaves of flat groups "
-                f"only, but rollout.tree.enabled = true trains shared segments that need node advantages: "
-                f"use a tree advantage ({trees}), or rollout.tree.enabled=false"
-            )
-        if tree.enabled and self.rollout.partial.enabled:
+        if self.rollout.tree.enabled and self.rollout.partial.enabled:
             raise ConfigError(
                 "config error: rollout.tree.enabled and rollout.partial.enabled are not supported together: "
                 "set one of them to false"

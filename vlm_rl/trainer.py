@@ -235,7 +235,8 @@ class ToolGRPOTrainer(Trainer):
         keep = torch.ones(len(chosen), dtype=torch.bool)
         if cfg.train.filter_equal_groups:
             keep = keep_groups(all_rewards, group_of_rollout, num_groups=len(chosen))
-        if tree is None:
+        if tree is None or not ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
+            # a group estimator on a tree scores its leaves as the question's group (flat credit)
             advantages = self.advantages(rewards, slots, keep)
             trained = int((advantages != 0).sum())
         else:
