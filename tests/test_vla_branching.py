@@ -301,24 +301,41 @@ def edge_logps(trainer: VLAHABCTrainer, edges) -> torch.Tensor:
 
 
 @pytest.mark.needs_rendering
+@pytest.mark.parametrize("advantage", ["tree_depthwise", "grpo"], ids=["node-credit", "flat-credit"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_branched_update_raises_the_successful_path_and_lowers_the_failing_ones(tmp_path, monkeypatch, sign):
+def test_branched_update_raises_the_successful_path_and_lowers_the_failing_ones(
+    tmp_path, monkeypatch, sign, advantage
+):
     """Leaf slot 0 of every group succeeds, the others fail. The update must raise the log-prob of the
-    chunks on the edge into the successful leaf and lower those into the failing leaves; with the
-    advantages negated (sign -1) the same measurement must show the opposite, so the test can fail."""
-    trainer = branched_trainer(tmp_path, "train.lr=1e-4", "train.updates=4", "train.batch_size=32")
+    chunks on the edge into the successful leaf and lower those into the failing leaves, with node
+    credit (edges) or flat credit (the leaves' whole episodes); with the advantages negated (sign -1)
+    the same measurement must show the opposite, so the test can fail."""
+    trainer = branched_trainer(
+        tmp_path, f"grpo.advantage={advantage}", "train.lr=1e-4", "train.updates=4", "train.batch_size=32"
+    )
     groups = trainer.collect_branched(0)
+    size = trainer.config.rollout.group_size
     leaf_edges = {True: [], False: []}
-    for tree in groups.trees:
+    for t, tree in enumerate(groups.trees):
         for leaf in tree.leaves():
-            good = tree.nodes[leaf].state.slots.start == 0
+            slot = tree.nodes[leaf].state.slots.start
+            good = slot == 0
             tree.set_leaf_reward(leaf, float(good))
+            groups.leaves[t * size + slot].success = good
             leaf_edges[good].append(tree.nodes[leaf].state.edge)
     real = vla_rl.grpo.fused_node_advantages
     monkeypatch.setattr(
         vla_rl.grpo,
         "fused_node_advantages",
         lambda trees, estimator: {k: sign * v for k, v in real(trees, estimator).items()},
+    )
+    real_group = vla_rl.grpo.group_advantages
+    monkeypatch.setattr(
+        vla_rl.grpo,
+        "group_advantages",
+        lambda episodes, estimator: real_group(episodes, estimator)._replace(
+            values=sign * real_group(episodes, estimator).values
+        ),
     )
     before = {good: edge_logps(trainer, edges) for good, edges in leaf_edges.items()}
     out = update_branched_grpo(trainer, groups, torch.Generator().manual_seed(0))
@@ -351,8 +368,8 @@ def test_a_branched_grpo_run_counts_each_shared_prefix_once(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["grpo.branch_every=2", "grpo.advantage=grpo"], "grpo.advantage = 'grpo' is a group advantage, but "
-         "grpo.branch_every = 2 makes every group a tree.*use tree_depthwise or tree_subgroup"),
+        (["grpo.branch_every=2", "grpo.advantage=mc_grpo"], "mc_grpo needs an odd number of rollouts per "
+         "group.*rollout.group_size = 4"),
         (["grpo.advantage=tree_depthwise"], "grpo.advantage = 'tree_depthwise' scores the nodes of branched "
          "groups, but grpo.branch_every = 0"),
         (["grpo.branch_every=2", "intervention.enabled=true"], "intervention.enabled = true with "
@@ -377,6 +394,8 @@ def test_the_advantage_defaults_to_the_tree_estimator_when_branching():
     assert load_config(
         "vla/grpo", ["grpo.branch_every=3", "grpo.advantage=tree_subgroup"]
     ).grpo.advantage == ("tree_subgroup")
+    flat_credit = load_config("vla/grpo", ["grpo.branch_every=3", "grpo.advantage=grpo"]).grpo
+    assert (flat_credit.advantage, flat_credit.branch_every) == ("grpo", 3)
 
 
 @pytest.mark.needs_fetch

@@ -138,9 +138,10 @@ class HABCGateConfig:
 class HABCGRPOConfig:
     advantage: str | None = option(
         None,
-        "advantage estimator on binary success: a group one over the episodes of each reset seed, a tree "
-        "one over each branched group's tree with grpo.branch_every > 0 (null: grpo, or tree_depthwise "
-        "when branching)",
+        "advantage estimator on binary success: a group one over the episodes of each reset seed (with "
+        "grpo.branch_every > 0, over each tree's leaves, every leaf's whole episode trained with its "
+        "advantage), or a tree one over each branched group's tree, every edge trained once with its "
+        "node's (null: grpo, or tree_depthwise when branching)",
         registry="advantage",
         kinds=("group", "tree"),
     )
@@ -323,8 +324,9 @@ class VLAHABCConfig(BaseConfig):
             )
 
     def check_grpo_advantage(self) -> None:
-        """A flat group needs a group advantage (of a size it accepts); a branched one, a tree advantage,
-        no take-overs (the supervisor is not part of a snapshot) and a branching list."""
+        """A flat group needs a group advantage (of a size it accepts); a branched one, a group advantage
+        of a size it accepts or a tree advantage, no take-overs (the supervisor is not part of a
+        snapshot) and a branching list."""
         g, r = self.grpo, self.rollout
         tree = ADVANTAGES.has_kind(g.advantage, "tree")
         if not g.branch_every:
@@ -336,13 +338,8 @@ class VLAHABCConfig(BaseConfig):
                 )
             check_group_size(g.advantage, r.group_size, "rollout.group_size")
             return
-        if not tree:
-            raise ConfigError(
-                f"config error: grpo.advantage = {g.advantage!r} is a group advantage, but "
-                f"grpo.branch_every = {g.branch_every} makes every group a tree whose shared edges need node "
-                "advantages: use "
-                f"{' or '.join(ADVANTAGES.names_of_kind(('tree',)))}, or grpo.branch_every=0"
-            )
+        if not tree:  # the leaves of a tree are the group
+            check_group_size(g.advantage, r.group_size, "rollout.group_size")
         if not g.branching:
             raise ConfigError(
                 "config error: grpo.branching = []: give the number of children of the reset state at least, "

@@ -7,10 +7,12 @@ Log-probs are those of the exploration distribution, the policy's std times `rol
 behaviour log-probs are computed once before the first update, since the policy has not changed since
 the rollouts. Chunks whose episode has a zero (or masked) advantage carry no signal and are dropped.
 
-With snapshot branching (`grpo.branch_every`, `vla_rl.branching`) a group is a tree: `grpo.advantage`
-(a tree estimator) scores every node from the leaves' success fused up the tree
+With snapshot branching (`grpo.branch_every`, `vla_rl.branching`) a group is a tree. A tree estimator
+(node credit) scores every node from the leaves' success fused up the tree
 (`mmrl.tree.fused_node_advantages`), and every chunk executed on an edge is trained once, with the
-advantage of the node the edge leads to, by the same loss.
+advantage of the node the edge leads to, by the same loss. A group estimator (flat credit) scores the
+tree's leaves as the group and trains every leaf's whole episode from reset with its advantage, so a
+chunk on a shared edge counts once per leaf below it: flat GRPO on the leaves, at the tree's env cost.
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ def update_branched_grpo(
     trainer: VLAHABCTrainer, groups: BranchedGroups, generator: torch.Generator
 ) -> dict[str, Any]:
     """Node advantages over the groups' trees, then `train_chunks` on the edges (one `Episode` each,
-    carrying the advantage of the node it leads to); returns the update's metrics."""
+    carrying the advantage of the node it leads to), or with a group estimator `update_grpo` on the
+    leaves' whole episodes; returns the update's metrics."""
+    if not ADVANTAGES.has_kind(trainer.config.grpo.advantage, "tree"):
+        return update_grpo(trainer, groups.leaves, generator)
     estimator = ADVANTAGES.get(trainer.config.grpo.advantage)
     node_advantages = fused_node_advantages(groups.trees, estimator) if groups.trees else {}
     edges = groups.edges()
