@@ -329,6 +329,8 @@ class VLAHABCConfig(BaseConfig):
         snapshot) and a branching list."""
         g, r = self.grpo, self.rollout
         tree = ADVANTAGES.has_kind(g.advantage, "tree")
+        if not tree:  # a flat group, or a tree's leaves
+            check_group_size(g.advantage, r.group_size, "rollout.group_size")
         if not g.branch_every:
             if tree:
                 raise ConfigError(
@@ -336,10 +338,7 @@ class VLAHABCConfig(BaseConfig):
                     "but grpo.branch_every = 0 runs flat groups: use a group advantage such as grpo, or "
                     "set grpo.branch_every > 0"
                 )
-            check_group_size(g.advantage, r.group_size, "rollout.group_size")
             return
-        if not tree:  # the leaves of a tree are the group
-            check_group_size(g.advantage, r.group_size, "rollout.group_size")
         if not g.branching:
             raise ConfigError(
                 "config error: grpo.branching = []: give the number of children of the reset state at least, "
