@@ -4,7 +4,8 @@ steps, recomputed by the update), the leaves' rewards fused up the tree into nod
 edges that depth and width pruning leave to train.
 
 Every random draw is keyed by (seed, step, tree, node key, denoising step), and node keys number a
-full k-ary tree, so any subset of leaves (a skeleton of keys) replays exactly: this is what Sol-RL's
+full k-ary tree (k the largest branch factor), so any subset of leaves (a skeleton of keys) replays
+exactly: this is what Sol-RL's
 exploration (`diffusion_rl.quantized_exploration`) relies on. The credit and pruning themselves are
 `mmrl.tree`'s, shared with the other tree trainers.
 """
@@ -49,35 +50,45 @@ class TreePlan:
 
     steps: int
     split_steps: list[int]
-    branch_factor: int
+    branch_factor: int | list[int]  # children per node: at every split, or one number per split
     sde_mask: list[bool]
 
+    def factors(self) -> list[int]:
+        """Children per node at each split step."""
+        if isinstance(self.branch_factor, int):
+            return [self.branch_factor] * len(self.split_steps)
+        return list(self.branch_factor)
+
+    def factor_at(self, step: int) -> int:
+        return self.factors()[self.split_steps.index(step)]
+
     def child_key(self, parent_key: int, index: int) -> int:
-        """Heap numbering of a k-ary tree: keys (and so noise) do not depend on which nodes exist."""
-        return parent_key * self.branch_factor + index + 1
+        """Heap numbering of a k-ary tree, k the largest factor: keys (and so noise) do not depend on
+        which nodes exist, and a key's parent is (key - 1) // k at any depth."""
+        return parent_key * max(self.factors()) + index + 1
 
     def rows_per_step(self) -> list[int]:
         """How many nodes one tree evaluates at each step (its leaves at the last)."""
         rows, per_step = 1, []
         for i in range(self.steps):
-            rows *= self.branch_factor if i in self.split_steps else 1
+            rows *= self.factor_at(i) if i in self.split_steps else 1
             per_step.append(rows)
         return per_step
 
     def leaf_keys(self) -> list[int]:
         keys = [0]
-        for _ in self.split_steps:
-            keys = [self.child_key(k, i) for k in keys for i in range(self.branch_factor)]
+        for factor in self.factors():
+            keys = [self.child_key(k, i) for k in keys for i in range(factor)]
         return keys
 
 
 def ancestors(plan: TreePlan, leaf_keys: list[int]) -> set[int]:
     """Every key on the paths from the root to `leaf_keys` (the skeleton of a replay)."""
-    keep = {0}
+    keep, arity = {0}, max(plan.factors())
     for key in leaf_keys:
         while key not in keep:
             keep.add(key)
-            key = (key - 1) // plan.branch_factor
+            key = (key - 1) // arity
     return keep
 
 
@@ -138,12 +149,13 @@ def rollout_trees(
     def schedule_index(i: int) -> int:
         return full_split.get(i, i * rollout.steps // plan.steps)
 
-    def branch(parents: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
-        """Add every node's children (those in the skeleton); return their rows and their parents'."""
+    def branch(parents: list[tuple[int, int]], factor: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Add every node's `factor` children (those in the skeleton); return their rows and their
+        parents'."""
         new_rows, parent_rows = [], []
         for r, (t, node) in enumerate(parents):
             parent_key = trees[t].nodes[node].state["key"]
-            for c in range(plan.branch_factor):
+            for c in range(factor):
                 key = plan.child_key(parent_key, c)
                 if skeletons is not None and key not in skeletons[t]:
                     continue
@@ -157,7 +169,7 @@ def rollout_trees(
         return not plan.sde_mask[i] and i not in splits
 
     if not rollout.shared_initial_noise:  # the split at step 0 happens before it, on the initial noise
-        rows, _ = branch(rows)
+        rows, _ = branch(rows, plan.factor_at(0))
         splits.discard(0)
     initial_keys = [
         NoiseKey(seed, step, tree_ids[t], trees[t].nodes[n].state["key"], rollout.steps) for t, n in rows
@@ -185,7 +197,7 @@ def rollout_trees(
             continue
         previous = None
         if i in splits:  # children share the parent's velocity at the split step
-            rows, parent_rows = branch(rows)
+            rows, parent_rows = branch(rows, plan.factor_at(i))
             x, v = x[parent_rows], v[parent_rows]
         if plan.sde_mask[i]:
             keys = [

@@ -69,9 +69,10 @@ class RolloutConfig:
     sde: Literal["flow_grpo", "dance_grpo", "ddim"] = option("flow_grpo", "SDE form of the stochastic steps")
     noise_level: float = option(0.7, "Flow-GRPO a / DanceGRPO eta / DDIM eta", min=0.0)
     split_steps: list[int] = option([0, 3, 6, 9], "steps where every node branches (flat GRPO: [0])", min=0)
-    branch_factor: int = option(
+    branch_factor: int | list[int] = option(
         2,
-        "children per node at a split (flat GRPO: the group size)",
+        "children per node at a split (flat GRPO: the group size), or one number per split step, "
+        "e.g. [4, 2, 2] for a wider first split",
         min=2,
         max=1024,
         why="groups hold 4 to 256",
@@ -90,6 +91,11 @@ class RolloutConfig:
         min=1,
     )
     reward_fusion: Literal["mean", "logprob_weighted"] = option("mean", "how a node's reward is fused")
+
+    def leaves_per_tree(self) -> int:
+        if isinstance(self.branch_factor, int):
+            return self.branch_factor ** len(self.split_steps)
+        return math.prod(self.branch_factor)
 
 
 @dataclass
@@ -369,10 +375,16 @@ class BranchGRPOConfig(BaseConfig):
                 f"config error: rollout.sde_window = {r.sde_window} must be [start, end] with "
                 f"0 <= start <= end <= rollout.steps = {r.steps}"
             )
+        if isinstance(r.branch_factor, list) and len(r.branch_factor) != len(r.split_steps):
+            raise ConfigError(
+                f"config error: rollout.branch_factor = {r.branch_factor} gives {len(r.branch_factor)} "
+                f"factors for the {len(r.split_steps)} rollout.split_steps {r.split_steps}: give one per "
+                "split step, or one number for all"
+            )
+        leaves = r.leaves_per_tree()  # one group of a tree's leaves
         if len(r.split_steps) == 1:
-            check_group_size(self.train.advantage, r.branch_factor, "rollout.branch_factor")
-        elif ADVANTAGES.tag(self.train.advantage, "group_size") == "odd" and r.branch_factor % 2 == 0:
-            leaves = r.branch_factor ** len(r.split_steps)  # one group of a tree's leaves
+            check_group_size(self.train.advantage, leaves, "rollout.branch_factor")
+        elif ADVANTAGES.tag(self.train.advantage, "group_size") == "odd" and leaves % 2 == 0:
             raise ConfigError(
                 f"config error: {self.train.advantage} needs an odd number of leaves per tree, but "
                 f"rollout.branch_factor = {r.branch_factor} with {len(r.split_steps)} splits gives "

@@ -98,15 +98,18 @@ def test_independent_initial_noise_replays_exactly(model_dir, tmp_path):
     torch.testing.assert_close(replay_leaves[0], leaves[5], rtol=0, atol=1e-5)
 
 
-def test_any_leaves_replay_exactly_from_their_keys(model_dir, tmp_path):
-    trainer = trainer_for(model_dir, tmp_path)
+@pytest.mark.parametrize("factors", [[], ["rollout.branch_factor=[4,2,2]"]], ids=["uniform", "per-split"])
+def test_any_leaves_replay_exactly_from_their_keys(model_dir, tmp_path, factors):
+    trainer = trainer_for(model_dir, tmp_path, *factors)
     plan = trainer.plan
     trees, leaves, _ = rollout(trainer, plan)
+    shape = [1, 4, 8, 16] if factors else [1, 2, 4, 8]
+    assert [len(trees[0].nodes_at_depth(d)) for d in range(4)] == shape
     keys = [[t.nodes[n].state["key"] for n in t.leaves()] for t in trees]
     chosen = [[keys[0][1], keys[0][6]], [keys[1][0]]]
     replay, replay_leaves, _ = rollout(trainer, plan, skeletons=[ancestors(plan, c) for c in chosen])
     assert [len(t.leaves()) for t in replay] == [2, 1]
-    expected = torch.stack([leaves[1], leaves[6], leaves[8]])
+    expected = torch.stack([leaves[1], leaves[6], leaves[len(keys[0])]])
     # the same noise everywhere; the model's batched matmuls may round differently for another batch
     # size, so the replay agrees to float32 rounding rather than bit for bit
     torch.testing.assert_close(replay_leaves, expected, rtol=0, atol=1e-5)
@@ -455,6 +458,9 @@ def test_reward_server_down_stops_cleanly(model_dir, tmp_path, monkeypatch):
         (["train.advantage=gae"], "needs a group advantage .* or a tree advantage"),
         (["rollout.split_steps=[0,30]"], "below rollout.steps"),
         (["rollout.split_steps=[2,4]", "rollout.shared_initial_noise=false"], "needs a split at step 0"),
+        (["rollout.branch_factor=[4,2]"], r"2 factors for the 3 rollout.split_steps \[0, 2, 4\]"),
+        (["rollout.branch_factor=[3,2,1]"], r"rollout.branch_factor = 1 is out of range"),
+        (["rollout.branch_factor=[3,3,2]", "train.advantage=mc_grpo"], "odd number of leaves.*gives 18"),
         (["model.path=/nonexistent/model"], "mmrl pretrain diffusion"),
         (["model.path=tests"], "not a model directory"),
     ],

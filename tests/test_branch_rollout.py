@@ -31,7 +31,7 @@ def keyed_tree(plan: TreePlan, records_per_edge: int = 1) -> RolloutTree:
         children = []
         for node in frontier:
             parent_key = tree.nodes[node].state["key"]
-            for c in range(plan.branch_factor):
+            for c in range(plan.factors()[depth - 1]):
                 key = plan.child_key(parent_key, c)
                 records = [
                     StepRecord(
@@ -66,6 +66,27 @@ def test_keys_number_a_full_tree_and_ancestors_close_the_paths():
     assert [plan.child_key(3, i) for i in range(2)] == [7, 8]
     assert ancestors(plan, [7, 14]) == {0, 1, 3, 7, 2, 6, 14}
     assert ancestors(plan, []) == {0}
+
+
+def test_a_factor_per_split_numbers_the_tree_of_the_largest_factor():
+    """[4, 2, 2]: 4 children of the root, then 2 and 2; keys are those of the full 4-ary tree, so every
+    key names one node and its parent is (key - 1) // 4 at any depth; one factor for all keeps the
+    keys a uniform tree always had."""
+    rollout = RolloutConfig(steps=8, split_steps=[0, 2, 4], branch_factor=[4, 2, 2])
+    plan = plan_for(rollout)
+    assert plan.factors() == [4, 2, 2] and rollout.leaves_per_tree() == 16
+    assert plan.rows_per_step() == [4, 4, 8, 8, 16, 16, 16, 16]
+    leaves = plan.leaf_keys()
+    assert len(leaves) == len(set(leaves)) == 16
+    assert leaves[:4] == [4 * (4 * 1 + 1) + 1, 4 * (4 * 1 + 1) + 2, 4 * (4 * 1 + 2) + 1, 4 * (4 * 1 + 2) + 2]
+    tree = keyed_tree(plan)
+    assert [len(tree.nodes_at_depth(d)) for d in range(4)] == [1, 4, 8, 16]
+    keys = [node.state["key"] for node in tree.nodes]
+    assert len(set(keys)) == len(keys)
+    assert sorted(tree.nodes[n].state["key"] for n in tree.leaves()) == sorted(leaves)
+    assert ancestors(plan, [leaves[0]]) == {0, 1, 5, leaves[0]}
+    uniform = plan_for(RolloutConfig(steps=8, split_steps=[0, 2, 4], branch_factor=[2, 2, 2]))
+    assert uniform.leaf_keys() == plan_for(RolloutConfig(steps=8, split_steps=[0, 2, 4])).leaf_keys()
 
 
 def test_leaf_rewards_and_flat_credit_on_paths():
