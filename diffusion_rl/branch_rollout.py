@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_rl.config import PruneConfig, RolloutConfig
+from diffusion_rl.config import PruneConfig, RolloutConfig, split_factors
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.sde import (
     StepOutput,
@@ -55,9 +55,7 @@ class TreePlan:
 
     def factors(self) -> list[int]:
         """Children per node at each split step."""
-        if isinstance(self.branch_factor, int):
-            return [self.branch_factor] * len(self.split_steps)
-        return list(self.branch_factor)
+        return split_factors(self.branch_factor, len(self.split_steps))
 
     def factor_at(self, step: int) -> int:
         return self.factors()[self.split_steps.index(step)]

@@ -93,9 +93,12 @@ class RolloutConfig:
     reward_fusion: Literal["mean", "logprob_weighted"] = option("mean", "how a node's reward is fused")
 
     def leaves_per_tree(self) -> int:
-        if isinstance(self.branch_factor, int):
-            return self.branch_factor ** len(self.split_steps)
-        return math.prod(self.branch_factor)
+        return math.prod(split_factors(self.branch_factor, len(self.split_steps)))
+
+
+def split_factors(branch_factor: int | list[int], splits: int) -> list[int]:
+    """Children per node at each of `splits` split steps, from one factor for all or one per split."""
+    return [branch_factor] * splits if isinstance(branch_factor, int) else list(branch_factor)
 
 
 @dataclass
