@@ -62,6 +62,7 @@ RUNS: dict[str, list[str]] = {
         "explore.branch_factor=3",
         "explore.keep=4",
     ],
+    "diffusion/branchgrpo_flat_credit": TINY_DIFFUSION,
     "diffusion/branchgrpo_mix": [*TINY_DIFFUSION, "rollout.split_steps=[0,2]"],
     "diffusion/branchgrpo_quick": [*TINY_DIFFUSION, "rollout.split_steps=[0,1,2]", "prune.depths=[2]"],
     "diffusion/flat_grpo": [*TINY_DIFFUSION, "rollout.branch_factor=4"],
