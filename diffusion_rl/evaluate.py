@@ -2,9 +2,12 @@
 
 Every model draws the same images' noise (keyed by seed and prompt index), so differences between
 models are paired: the table gives each model's mean per reward and, against the first model, the
-mean paired difference with its standard error and how many prompts got better or worse. Results
-go to ``OUTPUT_DIR/eval_diffusion.json`` and a labelled image grid (rows: models, columns: the first
-prompts) to ``OUTPUT_DIR/grid.png``.
+mean paired difference with its standard error and how many prompts got better or worse. When every
+prompt is one of the coloured-shapes world's (the default sets), each reward is also broken down by
+prompt template (`count`, `position`, `pair`), as GenEval reports per task, so a change can be traced
+to the kind of prompt it comes from. Results go to ``OUTPUT_DIR/eval_diffusion.json``, every
+prompt's score per model and reward to ``OUTPUT_DIR/prompt_scores.jsonl``, and a labelled image grid
+(rows: models, columns: the first prompts) to ``OUTPUT_DIR/grid.png``.
 
     mmrl eval diffusion "models=[diffusion_rl/assets/tiny_flow,runs/diffusion/branchgrpo/final]" seeds=4
 
@@ -30,7 +33,7 @@ from diffusion_rl.config import REWARD_KEYS, check_options, check_reward_name, r
 from diffusion_rl.diffusion_trainer import build_reward, load_prompts
 from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
-from diffusion_rl.shapes import heldout_prompts, train_prompts
+from diffusion_rl.shapes import heldout_prompts, parse_prompt, train_prompts
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
 
@@ -77,6 +80,22 @@ def paired(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
         "better": int((diff > BETTER_BY).sum()),
         "worse": int((diff < -BETTER_BY).sum()),
     }
+
+
+def prompt_templates(prompts: list[str]) -> list[str] | None:
+    """Each prompt's template in the coloured-shapes grammar, or None when any prompt is outside it."""
+    try:
+        return [parse_prompt(prompt).template for prompt in prompts]
+    except ValueError:
+        return None
+
+
+def reward_stats(values: torch.Tensor, reference: torch.Tensor | None) -> dict[str, float]:
+    """A model's mean of one reward over prompts and, unless it is the reference, the paired stats."""
+    stats = {"mean": float(values.mean())}
+    if reference is not None:
+        stats.update(paired(reference, values))
+    return stats
 
 
 def check_models(models: list[str]) -> list[Path]:
@@ -171,16 +190,34 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
         "guidance_scale": cfg.guidance_scale,
         "models": {},
     }
+    templates = prompt_templates(prompts)
     for model, scores in per_model.items():
         entry = {}
         for name, values in scores.items():
-            entry[name] = {"mean": float(values.mean())}
-            if model != cfg.models[0]:
-                entry[name].update(paired(reference[name], values))
+            first = None if model == cfg.models[0] else reference[name]
+            entry[name] = reward_stats(values, first)
+            if templates is not None:
+                entry[name]["by_template"] = {}
+                for template in sorted(set(templates)):
+                    rows = torch.tensor([t == template for t in templates])
+                    entry[name]["by_template"][template] = {
+                        "prompts": int(rows.sum()),
+                        **reward_stats(values[rows], None if first is None else first[rows]),
+                    }
         results["models"][model] = entry
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval_diffusion.json").write_text(json.dumps(results, indent=1))
+    with open(out / "prompt_scores.jsonl", "w") as f:
+        for i, prompt in enumerate(prompts):
+            row: dict[str, Any] = {"prompt": prompt}
+            if templates is not None:
+                row["template"] = templates[i]
+            row["scores"] = {
+                model: {name: float(values[i]) for name, values in scores.items()}
+                for model, scores in per_model.items()
+            }
+            f.write(json.dumps(row) + "\n")
     if cfg.grid_prompts:
         save_labelled_grid(grids, cfg.models, prompts[: cfg.grid_prompts], out / "grid.png")
     return results
@@ -225,6 +262,12 @@ def format_table(results: dict[str, Any]) -> str:
                     f"   better/worse {stats['better']}/{stats['worse']}"
                 )
             lines.append(text)
+            for template, part in stats.get("by_template", {}).items():
+                label = f"  {template} ({part['prompts']})"
+                text = f"  {'':<48} {label:<16} {part['mean']:.4f}"
+                if "diff" in part:
+                    text += f"   {part['diff']:+.4f} +- {part['se']:.4f}"
+                lines.append(text)
     return "\n".join(lines)
 
 

@@ -72,6 +72,46 @@ def test_models_side_by_side_are_paired_and_written(two_models, tmp_path):
     assert (tmp_path / "out" / "grid.png").stat().st_size > 0
 
 
+def test_scores_are_broken_down_by_prompt_template_and_kept_per_prompt(two_models, tmp_path):
+    a, b = two_models
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "a red circle\ntwo blue squares\na green cross on the left\na white square at the top\n"
+        "a red circle and a blue square\n"
+    )
+    cfg = DiffusionEvalConfig(
+        models=[a, b],
+        prompts=str(prompts),
+        steps=2,
+        rewards=["geneval_mini", "jpeg_compressibility"],
+        grid_prompts=0,
+        output_dir=str(tmp_path / "out"),
+    )
+    results = evaluate_models(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "prompt_scores.jsonl").read_text().splitlines()]
+    assert [row["template"] for row in rows] == ["count", "count", "position", "position", "pair"]
+    for model in cfg.models:
+        for name, stats in results["models"][model].items():
+            scores = torch.tensor([row["scores"][model][name] for row in rows])
+            assert stats["mean"] == pytest.approx(float(scores.mean()), abs=1e-6)
+            parts = stats["by_template"]
+            assert {t: part["prompts"] for t, part in parts.items()} == {"count": 2, "pair": 1, "position": 2}
+            assert parts["position"]["mean"] == pytest.approx(float(scores[2:4].mean()), abs=1e-6)
+            # the templates' paired differences, weighted by their prompts, add up to the whole
+            if model == b:
+                whole = sum(part["prompts"] * part["diff"] for part in parts.values()) / 5
+                assert whole == pytest.approx(stats["diff"], abs=1e-6)
+            else:
+                assert "diff" not in parts["pair"]
+
+    prompts.write_text("a photo of a cat\na red circle\n")  # outside the shapes grammar: no breakdown
+    cfg.rewards, cfg.output_dir = ["jpeg_compressibility"], str(tmp_path / "free")
+    results = evaluate_models(cfg)
+    assert "by_template" not in results["models"][b]["jpeg_compressibility"]
+    rows = [json.loads(line) for line in (tmp_path / "free" / "prompt_scores.jsonl").read_text().splitlines()]
+    assert [set(row) for row in rows] == [{"prompt", "scores"}] * 2
+
+
 def test_command_line_and_bad_input(two_models, tmp_path, capsys):
     a, b = two_models
     code = main(
