@@ -459,17 +459,24 @@ STRICT_COLOUR_TOLERANCE = 0.25  # RGB distance within which a pixel is confident
 STRICT_BACKGROUND_TOLERANCE = 0.04  # background pixels this far from BACKGROUND are clean ...
 STRICT_BACKGROUND_SPAN = 0.30  # ... and this much further count as fully dirty
 STRICT_MIN_OBJECT_AREA = 0.008  # objects cover at least ~0.02 of the image; smaller blobs are speckle
+STRICT_IDENTITY_MARGIN = 0.1  # `identity`: shape credit ramps from 0 to full over this IoU lead
 _PALETTE = torch.tensor([BACKGROUND, *COLOURS.values()])  # class 0: background, then the colours
 
 
-def strict_checks(images: ImageBatch, specs: Sequence[PromptSpec | str]) -> dict[str, Tensor]:
+def strict_checks(
+    images: ImageBatch, specs: Sequence[PromptSpec | str], identity: bool = False
+) -> dict[str, Tensor]:
     """Per image, in [0, 1] (shape [B] each): `background` (cleanliness outside the objects), `count`
     (exact object count per colour, extra objects included), `shape` (edge quality of the asked
-    objects) and `score`, their product; see `shapes_strict`."""
+    objects; with `identity`, also that each is the asked shape) and `score`, their product; see
+    `shapes_strict`."""
     if len(images) != len(specs):
         raise ValueError(f"{len(images)} images but {len(specs)} prompts")
     if not isinstance(images, Tensor):  # a list of images of any sizes: one at a time
-        parts = [strict_checks(image.unsqueeze(0), [spec]) for image, spec in zip(images, specs, strict=True)]
+        parts = [
+            strict_checks(image.unsqueeze(0), [spec], identity)
+            for image, spec in zip(images, specs, strict=True)
+        ]
         keys = ("background", "count", "shape", "score")
         return {k: torch.cat([p[k] for p in parts]) if parts else torch.zeros(0) for k in keys}
     if images.dim() != 4 or images.shape[1] != 3:
@@ -503,7 +510,9 @@ def strict_checks(images: ImageBatch, specs: Sequence[PromptSpec | str]) -> dict
             colour = list(COLOURS)[int(classes[i][mask][0]) - 1]
             found[colour] = found.get(colour, 0) + 1
             if colour in asked_shapes:
-                fits.append(max(_shape_fit(mask.numpy(), shape, xs, ys) for shape in asked_shapes[colour]))
+                fits.append(
+                    max(_asked_shape_credit(mask.numpy(), s, identity, xs, ys) for s in asked_shapes[colour])
+                )
         wrong = sum(abs(found.get(colour, 0) - asked_counts.get(colour, 0)) for colour in COLOURS)
         near = F.max_pool2d(covered[None, None].float(), 3, 1, 1)[0, 0] > 0  # objects and their edge
         outside = dirt[i][~near]
@@ -536,10 +545,27 @@ def _components(classes: Tensor) -> Tensor:
         labels = spread
 
 
-def _shape_fit(mask: np.ndarray, shape: str, xs: np.ndarray, ys: np.ndarray) -> float:
+def _asked_shape_credit(
+    mask: np.ndarray, asked: str, identity: bool, xs: np.ndarray, ys: np.ndarray
+) -> float:
+    """An object's shape credit for `asked`: its IoU with the asked shape. With `identity` the asked
+    shape must also be the one that fits best (each shape's fit searched over sub-pixel shifts and
+    sizes, since at 32 px a circle fits a cross's outline with IoU 0.8 and a clean shape's bounding
+    box is off by up to a pixel): the credit ramps from 0, asked shape behind the best other by half
+    of `STRICT_IDENTITY_MARGIN`, to full, ahead by half of it."""
+    fit = _shape_fit(mask, asked, xs, ys)
+    if not identity:
+        return fit
+    best = {shape: _shape_fit(mask, shape, xs, ys, search=True) for shape in SHAPES}
+    lead = best[asked] - max(iou for shape, iou in best.items() if shape != asked)
+    return fit * min(max(lead / STRICT_IDENTITY_MARGIN + 0.5, 0.0), 1.0)
+
+
+def _shape_fit(mask: np.ndarray, shape: str, xs: np.ndarray, ys: np.ndarray, search: bool = False) -> float:
     """IoU of an object's pixels with the ideal `shape` (as `diffusion_rl.shapes.render` draws it)
     placed and sized by the object's bounding box: 1 for a clean, hard-edged shape, lower for ragged,
-    speckled or bled edges and for another shape."""
+    speckled or bled edges and for another shape. `search`: the best IoU over shifts of up to a
+    pixel and sizes within 15% of that placement."""
     rows, cols = np.nonzero(mask)
     height, width = mask.shape
     left, right = cols.min() / width, (cols.max() + 1) / width
@@ -552,9 +578,15 @@ def _shape_fit(mask: np.ndarray, shape: str, xs: np.ndarray, ys: np.ndarray) -> 
         y += 0.1 * radius
     else:
         radius = extent / 2
+    if search:  # every placement at once: [shift x, shift y, size, 1, 1] against [H, W] pixels
+        shifts = np.linspace(-1, 1, 5)
+        x = x + shifts[:, None, None, None, None] / width
+        y = y + shifts[None, :, None, None, None] / height
+        radius = radius * np.linspace(0.85, 1.15, 7)[None, None, :, None, None]
     ideal = _shape_mask(shape, xs - x, ys - y, radius)
-    union = (ideal | mask).sum()
-    return float((ideal & mask).sum() / union) if union else 0.0
+    union = (ideal | mask).sum((-2, -1))
+    overlap = (ideal & mask).sum((-2, -1))
+    return float(np.max(np.where(union > 0, overlap / np.maximum(union, 1), 0.0)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,7 +613,7 @@ def geneval_mini(
 
 
 @REWARDS.register("shapes_strict")
-def shapes_strict() -> Callable[..., Tensor]:
+def shapes_strict(identity: bool = False) -> Callable[..., Tensor]:
     """Strict checks of coloured-shape images against their prompts, in [0, 1]: what `geneval_mini`
     lets slide, for use as a held-out gold reward (`eval.gold_reward`). The product of
 
@@ -592,14 +624,16 @@ def shapes_strict() -> Callable[..., Tensor]:
       of colours the prompt never names count too, which geneval_mini ignores);
     - shape: the mean IoU of each object of an asked colour with the asked shape as the renderer
       draws it, fitted to the object's bounding box (ragged, speckled or colour-bled edges, and
-      another shape, lower it).
+      another shape, lower it). At 32 px another shape lowers it little (a circle fits a cross's
+      outline with IoU 0.8); `identity=True` also asks that the object fit the asked shape better
+      than any other, and gives no shape credit to a circle drawn for a cross.
 
     Clean renders of a prompt's scene score about 0.9; images: [B, 3, H, W] in [0, 1] or a list of
     [3, H, W]; prompts outside the grammar raise ValueError. No weights: nothing to load.
     """
 
     def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
-        return strict_checks(images, [parse_prompt(prompt) for prompt in prompts])["score"]
+        return strict_checks(images, [parse_prompt(prompt) for prompt in prompts], identity)["score"]
 
     return reward
 

@@ -19,6 +19,7 @@ from diffusion_rl.diffusion_trainer import (
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.shapes import (
     Scene,
+    ShapeObject,
     prompt_text,
     render,
     render_batch,
@@ -521,6 +522,29 @@ def test_strict_scorer_ranks_clean_correct_images_above_speckled_noisy_and_extra
         geneval_drop = geneval.score(clean, specs).mean() - geneval.score(images, specs).mean()
         strict_drop = clean_checks["score"].mean() - strict_checks(images, specs)["score"].mean()
         assert strict_drop > 2 * geneval_drop
+
+
+def test_strict_scorer_with_identity_gives_a_wrong_shape_no_shape_credit_and_keeps_clean_scores():
+    # without identity a shape drawn for another keeps most of its credit: the hole it closes
+    swaps = [("circle", "cross"), ("cross", "circle"), ("square", "circle"), ("circle", "square")]
+    for drawn, asked in swaps:
+        image = render(Scene((ShapeObject("red", drawn, 0.5, 0.5, 0.3),)))[None]
+        assert strict_checks(image, [f"a red {asked}"])["shape"].item() > 0.6
+        assert strict_checks(image, [f"a red {asked}"], identity=True)["shape"].item() == 0.0
+        assert strict_checks(image, [f"a red {drawn}"], identity=True)["shape"].item() > 0.9
+    # a pair prompt whose first object is drawn as the second's shape: its credit goes, the other's stays
+    scene = Scene((ShapeObject("red", "square", 0.3, 0.5, 0.3), ShapeObject("blue", "square", 0.7, 0.5, 0.3)))
+    image = render(scene)[None]
+    prompt = ["a red circle and a blue square"]
+    plain, strict = (strict_checks(image, prompt, identity) for identity in (False, True))
+    assert plain["shape"].item() > 0.85 and strict["shape"].item() == pytest.approx(0.5)  # (0 + 1) / 2
+    # clean renders of every template and size keep their score: the asked shape fits best
+    scenes, specs, _ = scenes_and_prompts(n=90)
+    clean = render_batch(scenes)
+    plain, strict = (strict_checks(clean, specs, identity)["score"] for identity in (False, True))
+    assert (strict <= plain).all() and (strict == plain).float().mean() > 0.95
+    reward = REWARDS.get("shapes_strict")(identity=True)
+    torch.testing.assert_close(reward(clean, prompts=[prompt_text(spec) for spec in specs]), strict)
 
 
 def test_strict_scorer_as_a_reward_takes_prompts_lists_and_other_sizes():
