@@ -550,9 +550,9 @@ def _asked_shape_credit(
 ) -> float:
     """An object's shape credit for `asked`: its IoU with the asked shape. With `identity` the asked
     shape must also be the one that fits best (each shape's fit searched over sub-pixel shifts and
-    sizes, since at 32 px a circle fits a cross's outline with IoU 0.8 and a clean shape's bounding
-    box is off by up to a pixel): the credit ramps from 0, asked shape behind the best other by half
-    of `STRICT_IDENTITY_MARGIN`, to full, ahead by half of it."""
+    sizes, since at 32 px a circle fits a cross's outline nearly as well as a cross does and a clean
+    shape's bounding box is off by up to a pixel): the credit ramps from 0, asked shape behind the
+    best other by half of `STRICT_IDENTITY_MARGIN`, to full, ahead by half of it."""
     fit = _shape_fit(mask, asked, xs, ys)
     if not identity:
         return fit
@@ -625,8 +625,8 @@ def shapes_strict(identity: bool = False) -> Callable[..., Tensor]:
     - shape: the mean IoU of each object of an asked colour with the asked shape as the renderer
       draws it, fitted to the object's bounding box (ragged, speckled or colour-bled edges, and
       another shape, lower it). At 32 px another shape lowers it little (a circle fits a cross's
-      outline with IoU 0.8); `identity=True` also asks that the object fit the asked shape better
-      than any other, and gives no shape credit to a circle drawn for a cross.
+      outline nearly as well as a cross); `identity=True` also asks that the object fit the asked
+      shape better than any other, and gives no shape credit to a circle drawn for a cross.
 
     Clean renders of a prompt's scene score about 0.9; images: [B, 3, H, W] in [0, 1] or a list of
     [3, H, W]; prompts outside the grammar raise ValueError. No weights: nothing to load.
