@@ -510,8 +510,15 @@ def strict_checks(
             colour = list(COLOURS)[int(classes[i][mask][0]) - 1]
             found[colour] = found.get(colour, 0) + 1
             if colour in asked_shapes:
+                pixels_in = mask.numpy()  # each shape's searched fit once per object, not per asked shape
+                searched = None
+                if identity:
+                    searched = {s: _shape_fit(pixels_in, s, xs, ys, search=True) for s in SHAPES}
                 fits.append(
-                    max(_asked_shape_credit(mask.numpy(), s, identity, xs, ys) for s in asked_shapes[colour])
+                    max(
+                        _shape_fit(pixels_in, s, xs, ys) * _identity_credit(searched, s)
+                        for s in asked_shapes[colour]
+                    )
                 )
         wrong = sum(abs(found.get(colour, 0) - asked_counts.get(colour, 0)) for colour in COLOURS)
         near = F.max_pool2d(covered[None, None].float(), 3, 1, 1)[0, 0] > 0  # objects and their edge
@@ -545,20 +552,17 @@ def _components(classes: Tensor) -> Tensor:
         labels = spread
 
 
-def _asked_shape_credit(
-    mask: np.ndarray, asked: str, identity: bool, xs: np.ndarray, ys: np.ndarray
-) -> float:
-    """An object's shape credit for `asked`: its IoU with the asked shape. With `identity` the asked
-    shape must also be the one that fits best (each shape's fit searched over sub-pixel shifts and
-    sizes, since at 32 px a circle fits a cross's outline nearly as well as a cross does and a clean
-    shape's bounding box is off by up to a pixel): the credit ramps from 0, asked shape behind the
-    best other by half of `STRICT_IDENTITY_MARGIN`, to full, ahead by half of it."""
-    fit = _shape_fit(mask, asked, xs, ys)
-    if not identity:
-        return fit
-    best = {shape: _shape_fit(mask, shape, xs, ys, search=True) for shape in SHAPES}
-    lead = best[asked] - max(iou for shape, iou in best.items() if shape != asked)
-    return fit * min(max(lead / STRICT_IDENTITY_MARGIN + 0.5, 0.0), 1.0)
+def _identity_credit(searched: dict[str, float] | None, asked: str) -> float:
+    """The share of an object's shape credit that `identity` keeps, from each shape's searched fit
+    (None: no identity check, all of it). The asked shape must be the one that fits best, since at
+    32 px a circle fits a cross's outline nearly as well as a cross does (the fits are searched over
+    sub-pixel shifts and sizes because a clean shape's bounding box is off by up to a pixel): the
+    share ramps from 0, asked shape behind the best other by half of `STRICT_IDENTITY_MARGIN`, to 1,
+    ahead by half of it."""
+    if searched is None:
+        return 1.0
+    lead = searched[asked] - max(iou for shape, iou in searched.items() if shape != asked)
+    return min(max(lead / STRICT_IDENTITY_MARGIN + 0.5, 0.0), 1.0)
 
 
 def _shape_fit(mask: np.ndarray, shape: str, xs: np.ndarray, ys: np.ndarray, search: bool = False) -> float:

@@ -191,15 +191,19 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
         "models": {},
     }
     templates = prompt_templates(prompts)
+    template_rows = (
+        {t: torch.tensor([t == other for other in templates]) for t in sorted(set(templates))}
+        if templates is not None
+        else {}
+    )
     for model, scores in per_model.items():
         entry = {}
         for name, values in scores.items():
             first = None if model == cfg.models[0] else reference[name]
             entry[name] = reward_stats(values, first)
-            if templates is not None:
+            if template_rows:
                 entry[name]["by_template"] = {}
-                for template in sorted(set(templates)):
-                    rows = torch.tensor([t == template for t in templates])
+                for template, rows in template_rows.items():
                     entry[name]["by_template"][template] = {
                         "prompts": int(rows.sum()),
                         **reward_stats(values[rows], None if first is None else first[rows]),
