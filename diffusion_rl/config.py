@@ -5,6 +5,7 @@ have, a leaf-only advantage on a branching tree) before any model is loaded."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -170,7 +171,9 @@ class TrainConfig:
 
 
 DEFAULT_REWARD = "geneval_mini"
-TERM_KEYS = ("name", "weight", "options")
+TERM_KEYS = ("name", "weight", "options", "label")
+# held-out metrics a term label would overwrite (heldout_<label>)
+RESERVED_LABELS = ("alignment", "gold", "reward")
 REWARD_KEYS = ("name", "options")
 
 
@@ -188,7 +191,8 @@ class RewardConfig:
         None,
         "instead of name: rewards trained together, their weighted sum the trained reward, e.g. "
         "[{name: geneval_mini, weight: 1.0}, {name: jpeg_incompressibility, weight: 0.1, options: {}}]; "
-        "each term's mean is logged as reward_<name> (weight 0: logged, not trained)",
+        "each term's mean is logged as reward_<label> (label: the name unless given, so the same reward "
+        "with other options can be a second term; weight 0: logged, not trained)",
     )
     normalize: Literal["none", "group"] = option(
         "none", "none: raw rewards; group: each term z-scored within each prompt's group before weighting"
@@ -229,20 +233,23 @@ def check_reward_terms(terms: Any) -> list[dict[str, Any]]:
     for i, term in enumerate(terms):
         key = f"reward.terms[{i}]"
         term = reward_mapping(
-            term, key, TERM_KEYS, "{name: ..., weight: ..., options: ...}", "valid keys of a term"
+            term, key, TERM_KEYS, "{name: ..., weight: ..., options: ..., label: ...}", "valid keys of a term"
         )
         name = check_reward_name(term.get("name"), f"{key}.name")
-        if name in seen:
+        label = check_term_label(term["label"], f"{key}.label") if "label" in term else name
+        if label in seen:
             raise ConfigError(
-                f"config error: {key}.name = {name!r} is already reward.terms[{seen[name]}]: each reward "
-                f"may be a term once (its mean is logged as reward_{name}); merge their weights"
+                f"config error: {key} is logged as {label!r} like reward.terms[{seen[label]}] (its mean is "
+                f"reward_{label}): merge their weights, or, for the same reward with other options, give "
+                f"one of them another label ({key}.label)"
             )
-        seen[name] = i
+        seen[label] = i
         checked.append(
             {
                 "name": name,
                 "weight": check_weight(term.get("weight", 1.0), f"{key}.weight"),
                 "options": check_options(term.get("options", {}), f"{key}.options"),
+                "label": label,
             }
         )
     if all(term["weight"] == 0 for term in checked):
@@ -278,6 +285,21 @@ def check_reward_name(name: Any, key: str) -> str:
     if name not in REWARDS:
         raise ConfigError(f"config error: {key} = {name!r}: {REWARDS.unknown_message(name)}")
     return name
+
+
+def check_term_label(label: Any, key: str) -> str:
+    """A term's label: the suffix of its metrics (reward_<label>, heldout_<label>)."""
+    if not isinstance(label, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", label):
+        raise ConfigError(
+            f"config error: {key} = {label!r} is not a label of lower-case letters, digits and "
+            "underscores (it names the term's metrics, reward_<label>): e.g. shapes_identity"
+        )
+    if label in RESERVED_LABELS:
+        raise ConfigError(
+            f"config error: {key} = {label!r} would overwrite the metric heldout_{label}: "
+            "choose another label"
+        )
+    return label
 
 
 def check_weight(weight: Any, key: str) -> float:

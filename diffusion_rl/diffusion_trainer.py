@@ -126,7 +126,8 @@ def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[to
 
 
 class RewardTerm(NamedTuple):
-    name: str
+    name: str  # the registered reward
+    label: str  # its metrics: reward_<label>, heldout_<label>
     weight: float
     fn: RewardFn
 
@@ -146,9 +147,12 @@ def build_reward(name: str, options: dict[str, Any], prefix: str) -> RewardFn:
 def build_reward_terms(reward: RewardConfig) -> list[RewardTerm]:
     """Every trained reward with its weight: the terms, or the one reward with weight 1."""
     if reward.terms is None:
-        return [RewardTerm(str(reward.name), 1.0, build_reward(str(reward.name), reward.options, "reward."))]
+        name = str(reward.name)
+        return [RewardTerm(name, name, 1.0, build_reward(name, reward.options, "reward."))]
     return [
-        RewardTerm(t["name"], t["weight"], build_reward(t["name"], t["options"], f"reward.terms[{i}]."))
+        RewardTerm(
+            t["name"], t["label"], t["weight"], build_reward(t["name"], t["options"], f"reward.terms[{i}].")
+        )
         for i, t in enumerate(reward.terms)
     ]
 
@@ -271,7 +275,7 @@ class DiffusionTrainer(Trainer):
         self.gold_reward_fn = None
         gold = cfg.eval.gold_reward
         if gold is not None:
-            trained = [term.name for term in self.reward_terms]
+            trained = sorted({term.name for term in self.reward_terms})
             if gold["name"] in trained:
                 raise ConfigError(
                     f"config error: eval.gold_reward.name = {gold['name']!r} is also a trained reward "
@@ -364,10 +368,10 @@ class DiffusionTrainer(Trainer):
             if reward.terms is not None
             else [self.reward_terms[0]._replace(fn=self.reward_fn)]
         )
-        raw = {term.name: self.call_reward(term.fn, images, leaf_prompts) for term in terms}
+        raw = {term.label: self.call_reward(term.fn, images, leaf_prompts) for term in terms}
         self.last_reward_metrics = {f"reward_{name}": values.mean().item() for name, values in raw.items()}
         sizes = [len(tree.leaves()) for tree in trees]
-        weights = {term.name: term.weight for term in terms}
+        weights = {term.label: term.weight for term in terms}
         return combine_rewards(raw, weights, sizes, reward.normalize), images
 
     @staticmethod
@@ -433,9 +437,9 @@ class DiffusionTrainer(Trainer):
         if self.config.reward.terms is None and self.gold_reward_fn is None and self.heldout_prompts is None:
             return {}
         if self.config.reward.terms is None:
-            rewards = {self.reward_terms[0].name: self.reward_fn}
+            rewards = {self.reward_terms[0].label: self.reward_fn}
         else:
-            rewards = {term.name: term.fn for term in self.reward_terms}
+            rewards = {term.label: term.fn for term in self.reward_terms}
         if self.gold_reward_fn is not None:
             rewards[GOLD_KEY] = self.gold_reward_fn
         return rewards
@@ -445,7 +449,7 @@ class DiffusionTrainer(Trainer):
         held-out means) with terms, heldout_<name> for one reward."""
         if self.config.reward.terms is not None:
             return "heldout_reward"
-        return f"heldout_{self.reward_terms[0].name}"
+        return f"heldout_{self.reward_terms[0].label}"
 
     def evaluate(self) -> dict[str, float]:
         """heldout_alignment (geneval_mini) of ODE samples for the fixed held-out prompts and noise, and
@@ -471,7 +475,7 @@ class DiffusionTrainer(Trainer):
                 prompts=self.heldout_prompts,
                 per_prompt=per_prompt,
             )
-        keys = [f"heldout_{term.name}" for term in self.reward_terms]
+        keys = [f"heldout_{term.label}" for term in self.reward_terms]
         if self.config.reward.terms is not None and all(key in metrics for key in keys):
             weights = [term.weight for term in self.reward_terms]
             metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))

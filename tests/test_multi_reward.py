@@ -146,6 +146,30 @@ def test_score_weights_the_terms_per_tree_and_keeps_their_means(model_dir, tmp_p
     torch.testing.assert_close(rewards, torch.tensor(a) + 0.5 * torch.tensor(b))
 
 
+def test_the_same_reward_with_other_options_is_a_second_term_under_its_label(model_dir, tmp_path):
+    trainer = trainer_for(
+        model_dir,
+        tmp_path,
+        "reward.name=null",
+        "reward.terms=[{name: jpeg_compressibility, options: {quality: 90}}, "
+        "{name: jpeg_compressibility, weight: 0.5, options: {quality: 10}, label: jpeg_q10}]",
+    )
+    assert [(t.name, t.label, t.weight) for t in trainer.reward_terms] == [
+        ("jpeg_compressibility", "jpeg_compressibility", 1.0),
+        ("jpeg_compressibility", "jpeg_q10", 0.5),
+    ]
+    trees, leaves, prompts = rollout(trainer)
+    rewards, images = trainer.score(trees, leaves, prompts)
+    high = REWARDS.get("jpeg_compressibility")(quality=90)(images, prompts=prompts)
+    low = REWARDS.get("jpeg_compressibility")(quality=10)(images, prompts=prompts)
+    assert not torch.allclose(high, low)  # the options reach each term's own scorer
+    torch.testing.assert_close(rewards, high + 0.5 * low)
+    metrics = trainer.reward_metrics()
+    assert metrics.keys() == {"reward_jpeg_compressibility", "reward_jpeg_q10"}
+    assert metrics["reward_jpeg_q10"] == pytest.approx(low.mean().item())
+    assert set(trainer.heldout_rewards()) == {"jpeg_compressibility", "jpeg_q10", "gold"}
+
+
 def test_one_reward_is_scored_as_before_and_logs_no_terms(model_dir, tmp_path):
     trainer = trainer_for(model_dir, tmp_path)
     values = [0.0, 2.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0]
@@ -184,15 +208,22 @@ def test_terms_load_with_defaults_and_survive_a_saved_config(tmp_path):
     config = load_config("diffusion/branchgrpo", [*WITH_TERMS, "reward.normalize=group"])
     assert config.reward.name is None
     assert config.reward.terms == [
-        {"name": "jpeg_incompressibility", "weight": 1.0, "options": {}},
-        {"name": "jpeg_compressibility", "weight": 0.5, "options": {"quality": 90}},
+        {"name": "jpeg_incompressibility", "weight": 1.0, "options": {}, "label": "jpeg_incompressibility"},
+        {
+            "name": "jpeg_compressibility",
+            "weight": 0.5,
+            "options": {"quality": 90},
+            "label": "jpeg_compressibility",
+        },
     ]
     assert build(BranchGRPOConfig, to_dict(config)) == config  # config.yaml of a run reloads
     plain = load_config("diffusion/branchgrpo")
     assert (plain.reward.name, plain.reward.terms, plain.reward.normalize) == ("geneval_mini", None, "none")
     assert build(BranchGRPOConfig, to_dict(plain)) == plain
     weight_one = load_config("diffusion/nft", ["reward.name=null", "reward.terms=[{name: geneval_mini}]"])
-    assert weight_one.reward.terms == [{"name": "geneval_mini", "weight": 1.0, "options": {}}]
+    assert weight_one.reward.terms == [
+        {"name": "geneval_mini", "weight": 1.0, "options": {}, "label": "geneval_mini"}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -218,7 +249,19 @@ def test_terms_load_with_defaults_and_survive_a_saved_config(tmp_path):
         (["reward.terms=[{name: geneval_mini, weight: 0}]"], r"every weight is 0"),
         (
             ["reward.terms=[{name: geneval_mini}, {name: geneval_mini, weight: 2}]"],
-            r"reward.terms\[1\].name = 'geneval_mini' is already reward.terms\[0\]",
+            r"reward.terms\[1\] is logged as 'geneval_mini' like reward.terms\[0\].*another label",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, label: shapes_strict}, {name: shapes_strict}]"],
+            r"reward.terms\[1\] is logged as 'shapes_strict' like reward.terms\[0\]",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, label: Strict-1}]"],
+            r"reward.terms\[0\].label = 'Strict-1' is not a label of lower-case letters",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, label: gold}]"],
+            r"reward.terms\[0\].label = 'gold' would overwrite the metric heldout_gold",
         ),
         (
             ["reward.terms=[{name: geneval_mini, wieght: 2}]"],
