@@ -70,10 +70,11 @@ def prompt_set(name: str) -> list[str]:
     return load_prompts(name)
 
 
-def paired(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
-    """Mean paired difference (other - reference) over prompts, its standard error, better / worse."""
+def paired(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float | None]:
+    """Mean paired difference (other - reference) over prompts, its standard error (None for one
+    prompt, so that eval_diffusion.json stays strict JSON), better / worse."""
     diff = other - reference
-    se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    se = float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else None
     return {
         "diff": float(diff.mean()),
         "se": se,
@@ -90,7 +91,7 @@ def prompt_templates(prompts: list[str]) -> list[str] | None:
         return None
 
 
-def reward_stats(values: torch.Tensor, reference: torch.Tensor | None) -> dict[str, float]:
+def reward_stats(values: torch.Tensor, reference: torch.Tensor | None) -> dict[str, float | None]:
     """A model's mean of one reward over prompts and, unless it is the reference, the paired stats."""
     stats = {"mean": float(values.mean())}
     if reference is not None:
@@ -252,6 +253,10 @@ def save_labelled_grid(rows: list[torch.Tensor], labels: list[str], prompts: lis
     plt.close(fig)
 
 
+def format_se(se: float | None) -> str:
+    return "n/a (one prompt)" if se is None else f"{se:.4f}"
+
+
 def format_table(results: dict[str, Any]) -> str:
     lines = [
         f"{results['num_prompts']} {results['prompts']} prompts x {results['seeds']} seeds, "
@@ -262,7 +267,7 @@ def format_table(results: dict[str, Any]) -> str:
             text = f"  {model:<48} {name:<16} {stats['mean']:.4f}"
             if "diff" in stats:
                 text += (
-                    f"   {stats['diff']:+.4f} +- {stats['se']:.4f} vs the first"
+                    f"   {stats['diff']:+.4f} +- {format_se(stats['se'])} vs the first"
                     f"   better/worse {stats['better']}/{stats['worse']}"
                 )
             lines.append(text)
@@ -270,7 +275,7 @@ def format_table(results: dict[str, Any]) -> str:
                 label = f"  {template} ({part['prompts']})"
                 text = f"  {'':<48} {label:<16} {part['mean']:.4f}"
                 if "diff" in part:
-                    text += f"   {part['diff']:+.4f} +- {part['se']:.4f}"
+                    text += f"   {part['diff']:+.4f} +- {format_se(part['se'])}"
                 lines.append(text)
     return "\n".join(lines)
 

@@ -38,6 +38,8 @@ def test_paired_statistics():
     assert stats["diff"] == pytest.approx(-0.025)
     assert stats["se"] == pytest.approx(float((other - reference).std()) / 2)
     assert (stats["better"], stats["worse"]) == (1, 1)
+    one = paired(reference[:1], other[:1])
+    assert one == {"diff": pytest.approx(0.1), "se": None, "better": 1, "worse": 0}
 
 
 def test_models_side_by_side_are_paired_and_written(two_models, tmp_path):
@@ -101,8 +103,16 @@ def test_scores_are_broken_down_by_prompt_template_and_kept_per_prompt(two_model
             if model == b:
                 whole = sum(part["prompts"] * part["diff"] for part in parts.values()) / 5
                 assert whole == pytest.approx(stats["diff"], abs=1e-6)
+                assert parts["pair"]["se"] is None  # one prompt: no standard error, not NaN
+                assert parts["count"]["se"] > 0
             else:
                 assert "diff" not in parts["pair"]
+
+    def no_nan(constant):
+        raise AssertionError(f"eval_diffusion.json holds {constant}")
+
+    json.loads((tmp_path / "out" / "eval_diffusion.json").read_text(), parse_constant=no_nan)
+    assert "+- n/a (one prompt)" in evaluate.format_table(results)
 
     prompts.write_text("a photo of a cat\na red circle\n")  # outside the shapes grammar: no breakdown
     cfg.rewards, cfg.output_dir = ["jpeg_compressibility"], str(tmp_path / "free")
