@@ -432,7 +432,7 @@ class DiffusionTrainer(Trainer):
 
     def heldout_rewards(self) -> dict[str, RewardFn]:
         """The rewards the held-out samples are also scored by, as heldout_<key>: with terms, a gold
-        reward or eval.prompt_file, every trained term (by name) and the gold reward (key `GOLD_KEY`);
+        reward or eval.prompt_file, every trained term (by label) and the gold reward (key `GOLD_KEY`);
         else none (heldout_alignment alone)."""
         if self.config.reward.terms is None and self.gold_reward_fn is None and self.heldout_prompts is None:
             return {}
