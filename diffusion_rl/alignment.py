@@ -464,17 +464,20 @@ _PALETTE = torch.tensor([BACKGROUND, *COLOURS.values()])  # class 0: background,
 
 
 def strict_checks(
-    images: ImageBatch, specs: Sequence[PromptSpec | str], identity: bool = False
+    images: ImageBatch,
+    specs: Sequence[PromptSpec | str],
+    identity: bool = False,
+    count_shapes: bool = False,
 ) -> dict[str, Tensor]:
     """Per image, in [0, 1] (shape [B] each): `background` (cleanliness outside the objects), `count`
-    (exact object count per colour, extra objects included), `shape` (edge quality of the asked
-    objects; with `identity`, also that each is the asked shape) and `score`, their product; see
-    `shapes_strict`."""
+    (exact object count per colour, extra objects included; with `count_shapes`, per colour and
+    best-fitting shape), `shape` (edge quality of the asked objects; with `identity`, also that each
+    is the asked shape) and `score`, their product; see `shapes_strict`."""
     if len(images) != len(specs):
         raise ValueError(f"{len(images)} images but {len(specs)} prompts")
     if not isinstance(images, Tensor):  # a list of images of any sizes: one at a time
         parts = [
-            strict_checks(image.unsqueeze(0), [spec], identity)
+            strict_checks(image.unsqueeze(0), [spec], identity, count_shapes)
             for image, spec in zip(images, specs, strict=True)
         ]
         keys = ("background", "count", "shape", "score")
@@ -495,32 +498,35 @@ def strict_checks(
     for i, spec in enumerate(specs):
         spec = parse_prompt(spec) if isinstance(spec, str) else spec
         asked_shapes: dict[str, list[str]] = {}
-        asked_counts: dict[str, int] = {}
+        asked_counts: dict[tuple[str, str] | str, int] = {}
         for r in spec.requirements:
             asked_shapes.setdefault(r.colour, []).append(r.shape)
-            asked_counts[r.colour] = asked_counts.get(r.colour, 0) + r.count
+            key = (r.colour, r.shape) if count_shapes else r.colour
+            asked_counts[key] = asked_counts.get(key, 0) + r.count
         ids, areas = labels[i].unique(return_counts=True)
         objects = ids[(ids > 0) & (areas >= STRICT_MIN_OBJECT_AREA * height * width)].tolist()
-        found: dict[str, int] = {}
+        found: dict[tuple[str, str] | str, int] = {}
         fits = []
         covered = torch.zeros(height, width, dtype=torch.bool)
         for label in objects:
             mask = labels[i] == label
             covered |= mask
             colour = list(COLOURS)[int(classes[i][mask][0]) - 1]
-            found[colour] = found.get(colour, 0) + 1
+            pixels_in = mask.numpy()
+            searched = None  # each shape's searched fit, once per object
+            if identity or count_shapes:
+                searched = {s: _shape_fit(pixels_in, s, xs, ys, search=True) for s in SHAPES}
+            key = (colour, max(searched, key=searched.get)) if count_shapes else colour
+            found[key] = found.get(key, 0) + 1
             if colour in asked_shapes:
-                pixels_in = mask.numpy()  # each shape's searched fit once per object, not per asked shape
-                searched = None
-                if identity:
-                    searched = {s: _shape_fit(pixels_in, s, xs, ys, search=True) for s in SHAPES}
+                credit = searched if identity else None
                 fits.append(
                     max(
-                        _shape_fit(pixels_in, s, xs, ys) * _identity_credit(searched, s)
+                        _shape_fit(pixels_in, s, xs, ys) * _identity_credit(credit, s)
                         for s in asked_shapes[colour]
                     )
                 )
-        wrong = sum(abs(found.get(colour, 0) - asked_counts.get(colour, 0)) for colour in COLOURS)
+        wrong = sum(abs(found.get(k, 0) - asked_counts.get(k, 0)) for k in found.keys() | asked_counts.keys())
         near = F.max_pool2d(covered[None, None].float(), 3, 1, 1)[0, 0] > 0  # objects and their edge
         outside = dirt[i][~near]
         background = 1 - outside.mean().item() if outside.numel() else 0.0
@@ -617,7 +623,7 @@ def geneval_mini(
 
 
 @REWARDS.register("shapes_strict")
-def shapes_strict(identity: bool = False) -> Callable[..., Tensor]:
+def shapes_strict(identity: bool = False, count_shapes: bool = False) -> Callable[..., Tensor]:
     """Strict checks of coloured-shape images against their prompts, in [0, 1]: what `geneval_mini`
     lets slide, for use as a held-out gold reward (`eval.gold_reward`). The product of
 
@@ -632,12 +638,17 @@ def shapes_strict(identity: bool = False) -> Callable[..., Tensor]:
       outline nearly as well as a cross); `identity=True` also asks that the object fit the asked
       shape better than any other, and gives no shape credit to a circle drawn for a cross.
 
+    `count_shapes=True` counts objects per colour and shape, an object's shape being the one whose
+    searched fit is best: a circle drawn for an asked triangle is then one object missing and one
+    extra, which costs more than leaving the triangle out, where the default counts it as found.
+
     Clean renders of a prompt's scene score about 0.9; images: [B, 3, H, W] in [0, 1] or a list of
     [3, H, W]; prompts outside the grammar raise ValueError. No weights: nothing to load.
     """
 
     def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
-        return strict_checks(images, [parse_prompt(prompt) for prompt in prompts], identity)["score"]
+        specs = [parse_prompt(prompt) for prompt in prompts]
+        return strict_checks(images, specs, identity, count_shapes)["score"]
 
     return reward
 

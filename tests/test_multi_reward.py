@@ -590,6 +590,33 @@ def test_strict_scorer_with_identity_gives_a_wrong_shape_no_shape_credit_and_kee
     torch.testing.assert_close(reward(clean, prompts=[prompt_text(spec) for spec in specs]), strict)
 
 
+def test_strict_scorer_counting_shapes_makes_a_wrong_shape_cost_more_than_a_missing_object():
+    # the default counts a circle drawn for the asked triangle as found, so drawing circles pays
+    prompt = ["a red triangle and a blue square"]
+    blue_square = ShapeObject("blue", "square", 0.7, 0.5, 0.3)
+    circle_for_triangle = render(Scene((ShapeObject("red", "circle", 0.3, 0.5, 0.3), blue_square)))[None]
+    triangle_left_out = render(Scene((blue_square,)))[None]
+    both_right = render(Scene((ShapeObject("red", "triangle", 0.3, 0.5, 0.3), blue_square)))[None]
+    for count_shapes, expected in ((False, (1.0, 0.5, 1.0)), (True, (1 / 3, 0.5, 1.0))):
+        counts = [
+            strict_checks(image, prompt, count_shapes=count_shapes)["count"].item()
+            for image in (circle_for_triangle, triangle_left_out, both_right)
+        ]
+        assert counts == pytest.approx(expected), count_shapes
+    # clean renders of every template and size keep their count: each object's shape fits it best
+    scenes, specs, _ = scenes_and_prompts(n=90)
+    clean = render_batch(scenes)
+    plain, by_shape = (strict_checks(clean, specs, count_shapes=c) for c in (False, True))
+    assert (by_shape["count"] <= plain["count"]).all() and (
+        by_shape["count"] == plain["count"]
+    ).float().mean() > 0.95
+    torch.testing.assert_close(by_shape["shape"], plain["shape"])  # the shape term is untouched
+    reward = REWARDS.get("shapes_strict")(count_shapes=True)
+    torch.testing.assert_close(
+        reward(clean, prompts=[prompt_text(spec) for spec in specs]), by_shape["score"]
+    )
+
+
 def test_strict_scorer_as_a_reward_takes_prompts_lists_and_other_sizes():
     scenes, specs, _ = scenes_and_prompts(n=6)
     prompts = [prompt_text(spec) for spec in specs]
