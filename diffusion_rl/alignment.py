@@ -498,14 +498,14 @@ def strict_checks(
     for i, spec in enumerate(specs):
         spec = parse_prompt(spec) if isinstance(spec, str) else spec
         asked_shapes: dict[str, list[str]] = {}
-        asked_counts: dict[tuple[str, str] | str, int] = {}
+        asked_counts: dict[tuple[str, str | None], int] = {}  # by (colour, shape or None)
         for r in spec.requirements:
             asked_shapes.setdefault(r.colour, []).append(r.shape)
-            key = (r.colour, r.shape) if count_shapes else r.colour
+            key = (r.colour, r.shape if count_shapes else None)
             asked_counts[key] = asked_counts.get(key, 0) + r.count
         ids, areas = labels[i].unique(return_counts=True)
         objects = ids[(ids > 0) & (areas >= STRICT_MIN_OBJECT_AREA * height * width)].tolist()
-        found: dict[tuple[str, str] | str, int] = {}
+        found: dict[tuple[str, str | None], int] = {}
         fits = []
         covered = torch.zeros(height, width, dtype=torch.bool)
         for label in objects:
@@ -516,7 +516,7 @@ def strict_checks(
             searched = None  # each shape's searched fit, once per object
             if identity or count_shapes:
                 searched = {s: _shape_fit(pixels_in, s, xs, ys, search=True) for s in SHAPES}
-            key = (colour, max(searched, key=searched.get)) if count_shapes else colour
+            key = (colour, max(searched, key=searched.get) if count_shapes else None)
             found[key] = found.get(key, 0) + 1
             if colour in asked_shapes:
                 credit = searched if identity else None
