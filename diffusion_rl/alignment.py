@@ -160,6 +160,38 @@ class AlignmentScorer(nn.Module):
             scores.append(torch.stack(checks).mean())
         return torch.stack(scores).float() if scores else torch.zeros(0)
 
+    @torch.inference_mode()
+    def objects_by_shape(
+        self, images: ImageBatch, specs: Sequence[PromptSpec]
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """What the count head sees of each shape, per image: (drawn, found, asked), each keyed by shape.
+
+        drawn[shape] [B]: objects of that shape, any colour (each pair's expected count, sum over n of
+        n P(count = n), summed over colours). found[shape] [B]: the fraction of the objects of that
+        shape the prompt asks for that are drawn in the asked colour, each asked pair's expected count
+        capped at the number asked; 0 where asked[shape] [B] (bool) says the prompt asks for none.
+        Where `score` says whether the prompt was met, this says what was drawn instead: a policy that
+        turns asked triangles into circles shows drawn circles up, triangles and found triangles down.
+        """
+        if len(images) != len(specs):
+            raise ValueError(f"{len(images)} images but {len(specs)} prompts")
+        count_probs, _ = self.predict(images)
+        expected = (count_probs * torch.arange(MAX_COUNT + 1, dtype=count_probs.dtype)).sum(-1).cpu()
+        drawn = {
+            shape: expected[:, [i for i, pair in enumerate(PAIRS) if pair[1] == shape]].sum(1).float()
+            for shape in SHAPES
+        }
+        found = {shape: torch.zeros(len(specs)) for shape in SHAPES}
+        asked = {shape: torch.zeros(len(specs), dtype=torch.bool) for shape in SHAPES}
+        for sample, spec in enumerate(specs):
+            for shape in SHAPES:
+                wanted = [r for r in spec.requirements if r.shape == shape]
+                if wanted:
+                    got = sum(min(float(expected[sample, _pair_index(r)]), r.count) for r in wanted)
+                    found[shape][sample] = got / sum(r.count for r in wanted)
+                    asked[shape][sample] = True
+        return drawn, found, asked
+
 
 def _pair_index(requirement: Requirement) -> int:
     return PAIRS.index((requirement.colour, requirement.shape))

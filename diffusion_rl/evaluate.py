@@ -5,9 +5,16 @@ models are paired: the table gives each model's mean per reward and, against the
 mean paired difference with its standard error and how many prompts got better or worse. When every
 prompt is one of the coloured-shapes world's (the default sets), each reward is also broken down by
 prompt template (`count`, `position`, `pair`), as GenEval reports per task, so a change can be traced
-to the kind of prompt it comes from. Results go to ``OUTPUT_DIR/eval_diffusion.json``, every
-prompt's score per model and reward to ``OUTPUT_DIR/prompt_scores.jsonl``, and a labelled image grid
-(rows: models, columns: the first prompts) to ``OUTPUT_DIR/grid.png``.
+to the kind of prompt it comes from. With ``objects=true`` the shipped `geneval_mini` scorer's count
+head also reads every image: objects of each shape drawn and the asked objects of each shape found
+(`AlignmentScorer.objects_by_shape`), paired like a reward, to see what a policy draws instead of
+what it was asked. Models that are the same directory (``final/``) of runs whose configs differ
+only in their seed are pooled as one method, each measure's change over seeds with its t interval,
+and every two such methods compared with Welch's interval: the comparison a claim about a method
+needs, where one seed's paired error says nothing of the spread over seeds. Results go to
+``OUTPUT_DIR/eval_diffusion.json``, every prompt's score per model and reward to
+``OUTPUT_DIR/prompt_scores.jsonl``, and a labelled image grid (rows: models, columns: the first
+prompts) to ``OUTPUT_DIR/grid.png``.
 
     mmrl eval diffusion "models=[diffusion_rl/assets/tiny_flow,runs/diffusion/branchgrpo/final]" seeds=4
 
@@ -23,17 +30,20 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from diffusion_rl.alignment import load_scorer
 from diffusion_rl.config import REWARD_KEYS, check_options, check_reward_name, reward_mapping
 from diffusion_rl.diffusion_trainer import build_reward, load_prompts
 from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, parse_prompt, train_prompts
+from mmrl.compare import group_methods, method_labels, t_975
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
 
@@ -57,6 +67,12 @@ class DiffusionEvalConfig:
         ["geneval_mini"],
         "rewards to score every image with (see `mmrl list`): names, or {name: ..., options: {...}} "
         "for a reward built with options",
+    )
+    objects: bool = option(
+        False,
+        "also read every image with geneval_mini's count head: objects drawn per image of each shape "
+        "(objects.<shape>, objects.all) and the fraction of the asked objects of each shape found "
+        "(found.<shape>, over the prompts asking for one); coloured-shapes prompts only",
     )
     grid_prompts: int = option(8, "prompts shown in grid.png (seed 0 of each)", min=0)
     output_dir: str = option("runs/eval/diffusion", "where eval_diffusion.json and grid.png go")
@@ -91,11 +107,14 @@ def prompt_templates(prompts: list[str]) -> list[str] | None:
         return None
 
 
-def reward_stats(values: torch.Tensor, reference: torch.Tensor | None) -> dict[str, float | None]:
-    """A model's mean of one reward over prompts and, unless it is the reference, the paired stats."""
-    stats = {"mean": float(values.mean())}
+def measure_stats(
+    values: torch.Tensor, reference: torch.Tensor | None, rows: torch.Tensor
+) -> dict[str, float | None]:
+    """A model's mean of one measure over the prompts in `rows` and, unless it is the reference, the
+    paired stats there."""
+    stats = {"mean": float(values[rows].mean())}
     if reference is not None:
-        stats.update(paired(reference, values))
+        stats.update(paired(reference[rows], values[rows]))
     return stats
 
 
@@ -147,14 +166,119 @@ def build_rewards(entries: list[Any], prompts: list[str]) -> dict[str, Any]:
     return reward_fns
 
 
+def seed_spread(values: list[float]) -> dict[str, Any]:
+    """Mean over seeds, sample standard deviation and the t-based 95% interval of the mean."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values)
+    half = t_975(n - 1) * std / math.sqrt(n)
+    return {"mean": mean, "std": std, "ci95": [mean - half, mean + half], "values": values}
+
+
+def welch(first: list[float], second: list[float]) -> dict[str, Any]:
+    """Mean of `second` minus mean of `first`, with Welch's 95% interval (unequal variances; the
+    Welch-Satterthwaite degrees of freedom)."""
+    share_a, share_b = statistics.variance(first) / len(first), statistics.variance(second) / len(second)
+    se = math.sqrt(share_a + share_b)
+    diff = statistics.fmean(second) - statistics.fmean(first)
+    if se == 0:  # every seed equal in both: no spread to weigh
+        df = float(len(first) + len(second) - 2)
+    else:
+        df = (share_a + share_b) ** 2 / (share_a**2 / (len(first) - 1) + share_b**2 / (len(second) - 1))
+    half = t_975(df) * se
+    return {"diff": diff, "se": se, "df": df, "ci95": [diff - half, diff + half]}
+
+
+def method_changes(models: dict[str, Any], names: list[str]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Seeds of one method, pooled: models after the first that are the same directory (``final/``) of
+    runs whose config.yaml files differ only in their seed (as `mmrl report --compare` groups runs).
+    For each method of two or more seeds, every measure's paired change against the first model over
+    its seeds (mean, std, 95% t interval, each seed's; per template where all have it); for each
+    pair of such methods, the later one's mean change minus the earlier one's with Welch's interval
+    (keyed "LATER minus EARLIER")."""
+    candidates = [shipped_path(name) for name in names[1:]]
+    run_dirs = [p.parent if (p.parent / "config.yaml").is_file() else p for p in candidates]
+    groups, seeds = group_methods(run_dirs)
+    members = [
+        [i for i in group if candidates[i].name == name]
+        for group in groups
+        for name in dict.fromkeys(candidates[i].name for i in group)
+    ]
+    pooled = []
+    for group in members:
+        group_seeds = [seeds[i] for i in group]
+        if len(group) < 2 or None in group_seeds or len(set(group_seeds)) < len(group_seeds):
+            continue  # one seed (its row is the model's own), or runs that are not distinct seeds
+        pooled.append(group)
+    labels = method_labels([[run_dirs[i] for i in group] for group in pooled])
+    methods = {}
+    for label, group in zip(labels, pooled, strict=True):
+        entries = [models[names[1 + i]] for i in group]
+        change = {}
+        for measure, stats in entries[0].items():
+            change[measure] = seed_spread([entry[measure]["diff"] for entry in entries])
+            parts = stats.get("by_template", {})
+            templates = [t for t in parts if all(t in e[measure]["by_template"] for e in entries)]
+            if templates:
+                change[measure]["by_template"] = {
+                    t: seed_spread([entry[measure]["by_template"][t]["diff"] for entry in entries])
+                    for t in templates
+                }
+        methods[label] = {
+            "models": [names[1 + i] for i in group],
+            "seeds": [seeds[i] for i in group],
+            "change": change,
+        }
+    between = {}
+    for later, b in enumerate(labels):
+        for a in labels[:later]:
+            first, second = methods[a]["change"], methods[b]["change"]
+            between[f"{b} minus {a}"] = {
+                measure: welch(first[measure]["values"], second[measure]["values"])
+                for measure in first
+                if measure in second
+            }
+    return methods, between
+
+
+def object_measures(
+    images: torch.Tensor, prompts: list[str], seeds: int, scorer: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`DiffusionEvalConfig.objects`: per prompt (mean over its seeds' images, which come prompt-major)
+    objects drawn of each shape and in all, and the fraction of the asked objects of each shape
+    found; and, for each found.<shape>, the prompts that ask for that shape (its stats cover those;
+    a shape no prompt asks for has no found.<shape>)."""
+    specs = [parse_prompt(prompt) for prompt in prompts for _ in range(seeds)]
+    drawn, found, asked = scorer.objects_by_shape(images, specs)
+    per_prompt = {f"objects.{shape}": values for shape, values in drawn.items()}
+    per_prompt["objects.all"] = torch.stack(list(drawn.values())).sum(0)
+    rows = {}
+    for shape, mask in asked.items():
+        if mask.any():  # a shape no prompt asks for has nothing to be found
+            per_prompt[f"found.{shape}"] = found[shape]
+            rows[f"found.{shape}"] = mask.view(len(prompts), seeds)[:, 0]
+    return {name: v.view(len(prompts), seeds).mean(dim=1) for name, v in per_prompt.items()}, rows
+
+
 def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
     """Sample every model on the same prompts and noise; score with every reward; compare to the first."""
     paths = check_models(cfg.models)
     check_output_dir(cfg.output_dir, "output_dir")
     prompts = prompt_set(cfg.prompts)[: cfg.num_prompts]
     reward_fns = build_rewards(cfg.rewards, prompts)
+    templates = prompt_templates(prompts)
+    scorer = None
+    if cfg.objects:
+        if templates is None:
+            raise ConfigError(
+                "config error: objects=true reads objects of the coloured-shapes world, but "
+                f"prompts={cfg.prompts!r} holds prompts outside its grammar; use prompts=heldout or "
+                "train (or a file of such prompts), or objects=false"
+            )
+        scorer = load_scorer()
     repeated = [p for p in prompts for _ in range(cfg.seeds)]
     per_model: dict[str, dict[str, torch.Tensor]] = {}
+    measure_rows: dict[str, torch.Tensor] = {}  # measures that cover only some prompts: which ones
     grids = []
     for i, (model, path) in enumerate(zip(cfg.models, paths, strict=True)):
         try:
@@ -180,6 +304,9 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
                     f"config error: reward {name!r} cannot score {model!r}'s images: {err}"
                 ) from None
             scores[name] = values.view(len(prompts), cfg.seeds).mean(dim=1)
+        if scorer is not None:
+            measures, measure_rows = object_measures(flat, prompts, cfg.seeds, scorer)
+            scores.update(measures)
         per_model[model] = scores
 
     reference = per_model[cfg.models[0]]
@@ -191,7 +318,7 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
         "guidance_scale": cfg.guidance_scale,
         "models": {},
     }
-    templates = prompt_templates(prompts)
+    everywhere = torch.ones(len(prompts), dtype=torch.bool)
     template_rows = (
         {t: torch.tensor([t == other for other in templates]) for t in sorted(set(templates))}
         if templates is not None
@@ -201,15 +328,21 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
         entry = {}
         for name, values in scores.items():
             first = None if model == cfg.models[0] else reference[name]
-            entry[name] = reward_stats(values, first)
+            covered = measure_rows.get(name, everywhere)
+            entry[name] = measure_stats(values, first, covered)
+            if name in measure_rows:
+                entry[name] = {"prompts": int(covered.sum()), **entry[name]}
             if template_rows:
                 entry[name]["by_template"] = {}
                 for template, rows in template_rows.items():
-                    entry[name]["by_template"][template] = {
-                        "prompts": int(rows.sum()),
-                        **reward_stats(values[rows], None if first is None else first[rows]),
-                    }
+                    rows = rows & covered
+                    if rows.any():
+                        entry[name]["by_template"][template] = {
+                            "prompts": int(rows.sum()),
+                            **measure_stats(values, first, rows),
+                        }
         results["models"][model] = entry
+    results["methods"], results["between_methods"] = method_changes(results["models"], cfg.models)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval_diffusion.json").write_text(json.dumps(results, indent=1))
@@ -219,7 +352,11 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
             if templates is not None:
                 row["template"] = templates[i]
             row["scores"] = {
-                model: {name: float(values[i]) for name, values in scores.items()}
+                model: {
+                    name: float(values[i])
+                    for name, values in scores.items()
+                    if name not in measure_rows or measure_rows[name][i]
+                }
                 for model, scores in per_model.items()
             }
             f.write(json.dumps(row) + "\n")
@@ -277,7 +414,23 @@ def format_table(results: dict[str, Any]) -> str:
                 if "diff" in part:
                     text += f"   {part['diff']:+.4f} +- {format_se(part['se'])}"
                 lines.append(text)
+    if results.get("methods"):
+        lines.append("seeds of one method, change against the first: mean [95% t interval over seeds]")
+    for label, method in results.get("methods", {}).items():
+        lines.append(f"  {label} ({len(method['models'])} seeds)")
+        for name, change in method["change"].items():
+            lines.append(f"  {'':<4} {name:<44} {format_interval(change['mean'], change['ci95'])}")
+            for template, part in change.get("by_template", {}).items():
+                lines.append(f"  {'':<8} {template:<40} {format_interval(part['mean'], part['ci95'])}")
+    for pair, changes in results.get("between_methods", {}).items():
+        lines.append(f"  {pair} (Welch's 95% interval)")
+        for name, welch_stats in changes.items():
+            lines.append(f"  {'':<4} {name:<44} {format_interval(welch_stats['diff'], welch_stats['ci95'])}")
     return "\n".join(lines)
+
+
+def format_interval(mean: float, ci95: list[float]) -> str:
+    return f"{mean:+.4f} [{ci95[0]:+.4f}, {ci95[1]:+.4f}]"
 
 
 @EVALUATORS.register("diffusion")

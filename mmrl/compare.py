@@ -78,13 +78,19 @@ T_975 = (
 STD_BAND_FROM = 3  # seeds from which the band is mean +- std (fewer: min-max)
 
 
-def t_975(df: int) -> float:
+def t_975(df: float) -> float:
     """The 0.975 quantile of Student's t with `df` degrees of freedom: the table up to 30, beyond it
-    the Cornish-Fisher expansion around the normal quantile (within 1e-4 of the exact value)."""
+    the Cornish-Fisher expansion around the normal quantile (within 1e-4 of the exact value). Between
+    whole degrees (Welch's interval has them) it is linear in 1/df, never below the exact quantile,
+    so an interval is never too narrow, and within 0.4% of it from 3 degrees."""
     if df < 1:
         raise ValueError(f"t quantile needs at least 1 degree of freedom, got {df}")
     if df <= len(T_975):
-        return T_975[df - 1]
+        low, high = math.floor(df), math.ceil(df)
+        if low == high:
+            return T_975[low - 1]
+        share = (1 / low - 1 / df) / (1 / low - 1 / high)
+        return T_975[low - 1] + share * (T_975[high - 1] - T_975[low - 1])
     z = 1.959964
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 

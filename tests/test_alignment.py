@@ -19,9 +19,12 @@ from diffusion_rl.alignment import (
     train_scorer,
 )
 from diffusion_rl.shapes import (
+    Scene,
+    ShapeObject,
     make_dataset,
     parse_prompt,
     prompt_text,
+    render,
     render_batch,
     scene_for_spec,
     spec_for,
@@ -164,3 +167,42 @@ def test_command_line_help(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     assert "--steps" in capsys.readouterr().out
+
+
+def test_objects_by_shape_says_what_was_drawn_instead_of_the_asked_object(scorer):
+    blue_square = ShapeObject("blue", "square", 0.7, 0.5, 0.3)
+    images = torch.stack(
+        [
+            render(Scene((ShapeObject("red", "triangle", 0.3, 0.5, 0.3), blue_square))),  # as asked
+            render(Scene((ShapeObject("red", "circle", 0.3, 0.5, 0.3), blue_square))),  # circle for triangle
+            render(Scene((blue_square,))),  # the triangle left out
+            render(
+                Scene(
+                    (
+                        ShapeObject("green", "cross", 0.3, 0.3, 0.25),
+                        ShapeObject("green", "cross", 0.7, 0.7, 0.25),
+                    )
+                )
+            ),
+        ]
+    )
+    pair = parse_prompt("a red triangle and a blue square")
+    specs = [pair, pair, pair, parse_prompt("three green crosses")]
+    drawn, found, asked = scorer.objects_by_shape(images, specs)
+    rounded = {shape: [round(float(v)) for v in values] for shape, values in drawn.items()}
+    assert rounded == {
+        "circle": [0, 1, 0, 0],
+        "square": [1, 1, 1, 0],
+        "triangle": [1, 0, 0, 0],
+        "cross": [0, 0, 0, 2],
+    }
+    assert [bool(v) for v in asked["triangle"]] == [True, True, True, False]
+    assert [bool(v) for v in asked["cross"]] == [False, False, False, True]
+    assert not asked["circle"].any()
+    # the asked triangle is found only where it is drawn; two of three asked crosses are found
+    assert found["triangle"][:3].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=0.1)
+    assert found["square"][:3].tolist() == pytest.approx([1.0, 1.0, 1.0], abs=0.1)
+    assert found["cross"][3].item() == pytest.approx(2 / 3, abs=0.05)
+    assert found["circle"].eq(0).all() and found["triangle"][3] == 0
+    with pytest.raises(ValueError, match="4 images but 3 prompts"):
+        scorer.objects_by_shape(images, specs[:3])

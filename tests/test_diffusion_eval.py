@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,3 +244,138 @@ def test_every_entry_prompt_and_reward_is_checked_before_any_sampling(
     code = main(["eval", "diffusion", f"models=[{a},{cases[1][0]}]", f"output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "models[1]" in err and sampled == []
+
+
+def test_objects_are_read_per_shape_over_the_prompts_that_ask_for_them(two_models, tmp_path):
+    a, other_model = two_models
+    # two seeds of one method: the perturbed model and an unchanged copy of the first
+    b, unchanged = write_run(tmp_path, "run_s0", 0), write_run(tmp_path, "run_s1", 1)
+    shutil.copytree(other_model, b)
+    shutil.copytree(a, unchanged)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "a red circle\ntwo blue squares\na green cross on the left\na white square at the top\n"
+        "a red circle and a blue square\n"
+    )
+    cfg = DiffusionEvalConfig(
+        models=[a, b, unchanged],
+        prompts=str(prompts),
+        seeds=2,
+        steps=2,
+        rewards=["jpeg_compressibility"],
+        objects=True,
+        grid_prompts=0,
+        output_dir=str(tmp_path / "out"),
+    )
+    results = evaluate_models(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "prompt_scores.jsonl").read_text().splitlines()]
+    other = results["models"][b]
+    shapes = ("circle", "square", "triangle", "cross")
+    # no prompt asks for a triangle: nothing to find; the others cover the prompts that ask for them
+    assert set(other) == {
+        "jpeg_compressibility",
+        "objects.all",
+        "found.circle",
+        "found.square",
+        "found.cross",
+    } | {f"objects.{shape}" for shape in shapes}
+    assert {shape: other[f"found.{shape}"]["prompts"] for shape in ("circle", "square", "cross")} == {
+        "circle": 2,
+        "square": 3,
+        "cross": 1,
+    }
+    assert [sorted(k for k in row["scores"][b] if k.startswith("found.")) for row in rows] == [
+        ["found.circle"],
+        ["found.square"],
+        ["found.cross"],
+        ["found.square"],
+        ["found.circle", "found.square"],
+    ]
+    for model in cfg.models:
+        entry = results["models"][model]
+        total = sum(entry[f"objects.{shape}"]["mean"] for shape in shapes)
+        assert entry["objects.all"]["mean"] == pytest.approx(total, abs=1e-5)
+        circles = [
+            row["scores"][model]["found.circle"] for row in rows if "found.circle" in row["scores"][model]
+        ]
+        assert entry["found.circle"]["mean"] == pytest.approx(sum(circles) / 2, abs=1e-6)
+        assert entry["found.square"]["by_template"]["position"]["prompts"] == 1
+        assert "pair" not in entry["found.cross"]["by_template"]
+    assert other["objects.all"]["diff"] == pytest.approx(
+        other["objects.all"]["mean"] - results["models"][a]["objects.all"]["mean"], abs=1e-5
+    )
+    (method,) = results["methods"].values()
+    assert method["models"] == [b, unchanged] and method["seeds"] == [0, 1]
+    for name, change in method["change"].items():
+        assert change["values"] == [other[name]["diff"], 0.0]
+    assert "run (2 seeds)" in evaluate.format_table(results) and results["between_methods"] == {}
+
+    prompts.write_text("a photo of a cat\n")
+    cfg.output_dir = str(tmp_path / "free")
+    with pytest.raises(ConfigError, match="objects=true reads objects of the coloured-shapes world"):
+        evaluate_models(cfg)
+    assert not (tmp_path / "free").exists()
+
+
+def write_run(root, name: str, seed: int, lr: float = 1e-4) -> str:
+    """A run directory holding only its config.yaml; the model path is its final/."""
+    run = root / name
+    run.mkdir()
+    (run / "config.yaml").write_text(f"trainer: diffusion_nft\nseed: {seed}\ntrain: {{lr: {lr}}}\n")
+    return str(run / "final")
+
+
+def test_seeds_of_a_method_are_pooled_and_methods_compared_by_welch(tmp_path):
+    from scipy import stats
+
+    base = str(tmp_path / "base")
+    a = [write_run(tmp_path, f"nft_s{s}", s) for s in range(3)]
+    b = [write_run(tmp_path, f"nft_lr_s{s}", s, lr=2e-4) for s in range(4)]
+    same_seed = [write_run(tmp_path, f"twin_{i}", 7, lr=3e-4) for i in range(2)]  # not distinct seeds
+    lone = write_run(tmp_path, "lone", 0, lr=5e-4)
+    checkpoint = str(tmp_path / "nft_s0" / "step_20")  # another directory of a run: another method
+    names = [base, *a, checkpoint, *b, *same_seed, lone]
+    diffs = {name: 0.01 * (i % 5) - 0.013 * (i % 3) for i, name in enumerate(names)}
+    models = {base: {"r": {"mean": 0.3}}}
+    for name in names[1:]:
+        models[name] = {"r": {"mean": 0.3 + diffs[name], "diff": diffs[name], "by_template": {}}}
+        models[name]["r"]["by_template"]["pair"] = {"diff": 2 * diffs[name]}
+    models[b[0]]["r"]["by_template"]["count"] = {"diff": 1.0}  # not every seed has it: not pooled
+    methods, between = evaluate.method_changes(models, names)
+
+    assert {label: (m["models"], m["seeds"]) for label, m in methods.items()} == {
+        "nft": (a, [0, 1, 2]),
+        "nft_lr": (b, [0, 1, 2, 3]),
+    }
+    for method, members in zip(methods.values(), (a, b), strict=True):
+        values = [diffs[name] for name in members]
+        change = method["change"]["r"]
+        low, high = stats.t.interval(0.95, len(values) - 1, loc=np.mean(values), scale=stats.sem(values))
+        assert change["values"] == values and change["mean"] == pytest.approx(np.mean(values))
+        assert change["ci95"] == pytest.approx([low, high], abs=1e-5)
+        assert list(change["by_template"]) == ["pair"]
+        assert change["by_template"]["pair"]["mean"] == pytest.approx(2 * np.mean(values))
+    assert list(between) == ["nft_lr minus nft"]
+    welch = between["nft_lr minus nft"]["r"]
+    first, second = [diffs[n] for n in a], [diffs[n] for n in b]
+    exact = stats.ttest_ind(second, first, equal_var=False)
+    assert welch["diff"] == pytest.approx(np.mean(second) - np.mean(first))
+    assert welch["df"] == pytest.approx(exact.df)
+    exact_low, exact_high = exact.confidence_interval(0.95)
+    low, high = welch["ci95"]
+    # t between whole degrees of freedom is never below the exact quantile: never narrower
+    assert low <= exact_low + 1e-9 and high >= exact_high - 1e-9
+    assert (high - low) == pytest.approx(exact_high - exact_low, rel=0.005)
+    table = evaluate.format_table(
+        {
+            "num_prompts": 5,
+            "prompts": "heldout",
+            "seeds": 1,
+            "steps": 2,
+            "guidance_scale": 1.0,
+            "models": {},
+            "methods": methods,
+            "between_methods": between,
+        }
+    )
+    assert "nft_lr minus nft (Welch's 95% interval)" in table and "nft (3 seeds)" in table
