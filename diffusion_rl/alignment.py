@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from diffusion_rl.rewards import OPTIONS_KEY
 from diffusion_rl.shapes import (
     BACKGROUND,
     COLOURS,
@@ -66,6 +67,7 @@ from diffusion_rl.shapes import (
     sample_scene,
     spec_for,
 )
+from mmrl.config import ConfigError
 from mmrl.registry import REWARDS
 
 IMAGE_SIZE = 32
@@ -493,6 +495,7 @@ STRICT_BACKGROUND_SPAN = 0.30  # ... and this much further count as fully dirty
 STRICT_MIN_OBJECT_AREA = 0.008  # objects cover at least ~0.02 of the image; smaller blobs are speckle
 STRICT_IDENTITY_MARGIN = 0.1  # `identity`: shape credit ramps from 0 to full over this IoU lead
 _PALETTE = torch.tensor([BACKGROUND, *COLOURS.values()])  # class 0: background, then the colours
+STRICT_TERMS = ("score", "background", "count", "shape")  # what `strict_checks` returns
 
 
 def strict_checks(
@@ -655,7 +658,9 @@ def geneval_mini(
 
 
 @REWARDS.register("shapes_strict")
-def shapes_strict(identity: bool = False, count_shapes: bool = False) -> Callable[..., Tensor]:
+def shapes_strict(
+    identity: bool = False, count_shapes: bool = False, term: str = "score"
+) -> Callable[..., Tensor]:
     """Strict checks of coloured-shape images against their prompts, in [0, 1]: what `geneval_mini`
     lets slide, for use as a held-out gold reward (`eval.gold_reward`). The product of
 
@@ -674,13 +679,21 @@ def shapes_strict(identity: bool = False, count_shapes: bool = False) -> Callabl
     searched fit is best: a circle drawn for an asked triangle is then one object missing and one
     extra, which costs more than leaving the triangle out, where the default counts it as found.
 
+    `term` returns one factor instead of the product (`background`, `count` or `shape`): scored
+    beside the reward (`mmrl eval diffusion`), the factors say where a change in the score comes from.
+
     Clean renders of a prompt's scene score about 0.9; images: [B, 3, H, W] in [0, 1] or a list of
     [3, H, W]; prompts outside the grammar raise ValueError. No weights: nothing to load.
     """
+    if term not in STRICT_TERMS:
+        raise ConfigError(
+            f"config error: {OPTIONS_KEY}.term = {term!r} is not a term of shapes_strict: choose one of "
+            f"{', '.join(STRICT_TERMS)} (score, the default, is their product)"
+        )
 
     def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
         specs = [parse_prompt(prompt) for prompt in prompts]
-        return strict_checks(images, specs, identity, count_shapes)["score"]
+        return strict_checks(images, specs, identity, count_shapes)[term]
 
     return reward
 

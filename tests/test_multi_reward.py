@@ -618,6 +618,21 @@ def test_strict_scorer_counting_shapes_makes_a_wrong_shape_cost_more_than_a_miss
     )
 
 
+def test_strict_reward_returns_one_term_when_asked():
+    scenes, specs, _ = scenes_and_prompts(n=12)
+    prompts = [prompt_text(spec) for spec in specs]
+    noisy = (
+        render_batch(scenes) + 0.2 * torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ).clamp(0, 1)
+    checks = strict_checks(noisy, specs, count_shapes=True)
+    for term in ("background", "count", "shape", "score"):
+        reward = REWARDS.get("shapes_strict")(count_shapes=True, term=term)
+        torch.testing.assert_close(reward(noisy, prompts=prompts), checks[term])
+    assert len({float(checks[t].mean()) for t in ("background", "count", "shape")}) == 3  # three factors
+    with pytest.raises(ConfigError, match=r"reward.options.term = 'shap' is not a term of shapes_strict"):
+        REWARDS.get("shapes_strict")(term="shap")
+
+
 def test_strict_scorer_as_a_reward_takes_prompts_lists_and_other_sizes():
     scenes, specs, _ = scenes_and_prompts(n=6)
     prompts = [prompt_text(spec) for spec in specs]
