@@ -554,3 +554,11 @@ def test_t_quantiles():
     assert compare.t_975(31) == pytest.approx(2.0395, abs=1e-4)
     assert compare.t_975(120) == pytest.approx(1.9799, abs=1e-4)
     assert compare.t_975(10**6) == pytest.approx(1.96, abs=1e-4)
+    # between whole degrees of freedom (Welch's): never below the exact quantile, close from 3 on
+    from scipy import stats
+
+    for df in (1.5, 2.3, 3.2, 4.7, 10.5, 17.2, 29.9, 30.5, 45.3):
+        exact = stats.t.ppf(0.975, df)
+        assert compare.t_975(df) >= exact - 1e-4
+        if df >= 3:
+            assert compare.t_975(df) == pytest.approx(exact, rel=0.004)
