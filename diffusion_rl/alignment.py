@@ -503,16 +503,18 @@ def strict_checks(
     specs: Sequence[PromptSpec | str],
     identity: bool = False,
     count_shapes: bool = False,
+    shape_over_asked: bool = False,
 ) -> dict[str, Tensor]:
     """Per image, in [0, 1] (shape [B] each): `background` (cleanliness outside the objects), `count`
     (exact object count per colour, extra objects included; with `count_shapes`, per colour and
     best-fitting shape), `shape` (edge quality of the asked objects; with `identity`, also that each
-    is the asked shape) and `score`, their product; see `shapes_strict`."""
+    is the asked shape; with `shape_over_asked`, an asked object not drawn adds 0) and `score`, their
+    product; see `shapes_strict`."""
     if len(images) != len(specs):
         raise ValueError(f"{len(images)} images but {len(specs)} prompts")
     if not isinstance(images, Tensor):  # a list of images of any sizes: one at a time
         parts = [
-            strict_checks(image.unsqueeze(0), [spec], identity, count_shapes)
+            strict_checks(image.unsqueeze(0), [spec], identity, count_shapes, shape_over_asked)
             for image, spec in zip(images, specs, strict=True)
         ]
         keys = ("background", "count", "shape", "score")
@@ -565,7 +567,9 @@ def strict_checks(
         near = F.max_pool2d(covered[None, None].float(), 3, 1, 1)[0, 0] > 0  # objects and their edge
         outside = dirt[i][~near]
         background = 1 - outside.mean().item() if outside.numel() else 0.0
-        rows.append((background, 1 / (1 + wrong), float(np.mean(fits)) if fits else 0.0))
+        # the mean fit over the objects drawn, or over at least as many as were asked
+        asked = sum(asked_counts.values()) if shape_over_asked else 0
+        rows.append((background, 1 / (1 + wrong), sum(fits) / max(len(fits), asked) if fits else 0.0))
     background, count, shape = torch.tensor(rows, dtype=torch.float32).view(-1, 3).unbind(1)
     return {"background": background, "count": count, "shape": shape, "score": background * count * shape}
 
@@ -659,7 +663,7 @@ def geneval_mini(
 
 @REWARDS.register("shapes_strict")
 def shapes_strict(
-    identity: bool = False, count_shapes: bool = False, term: str = "score"
+    identity: bool = False, count_shapes: bool = False, shape_over_asked: bool = False, term: str = "score"
 ) -> Callable[..., Tensor]:
     """Strict checks of coloured-shape images against their prompts, in [0, 1]: what `geneval_mini`
     lets slide, for use as a held-out gold reward (`eval.gold_reward`). The product of
@@ -678,6 +682,9 @@ def shapes_strict(
     `count_shapes=True` counts objects per colour and shape, an object's shape being the one whose
     searched fit is best: a circle drawn for an asked triangle is then one object missing and one
     extra, which costs more than leaving the triangle out, where the default counts it as found.
+    The shape fit averages over the objects drawn, so leaving a poorly drawn object out raises it;
+    `shape_over_asked=True` divides by at least the number of objects asked, an asked object not
+    drawn adding 0, so that with `count_shapes` leaving the triangle out pays no more than a circle.
 
     `term` returns one factor instead of the product (`background`, `count` or `shape`): scored
     beside the reward (`mmrl eval diffusion`), the factors say where a change in the score comes from.
@@ -693,7 +700,7 @@ def shapes_strict(
 
     def reward(images: ImageBatch, prompts: Sequence[str], **_: Any) -> Tensor:
         specs = [parse_prompt(prompt) for prompt in prompts]
-        return strict_checks(images, specs, identity, count_shapes)[term]
+        return strict_checks(images, specs, identity, count_shapes, shape_over_asked)[term]
 
     return reward
 

@@ -618,6 +618,41 @@ def test_strict_scorer_counting_shapes_makes_a_wrong_shape_cost_more_than_a_miss
     )
 
 
+def test_strict_scorer_over_the_asked_objects_makes_leaving_one_out_cost_its_shape_fit():
+    prompt = ["a red triangle and a blue square"]
+    blue_square = ShapeObject("blue", "square", 0.7, 0.5, 0.3)
+    images = torch.cat(
+        [
+            render(Scene((ShapeObject("red", "triangle", 0.3, 0.5, 0.3), blue_square)))[None],
+            render(Scene((ShapeObject("red", "circle", 0.3, 0.5, 0.3), blue_square)))[None],
+            render(Scene((blue_square,)))[None],
+        ]
+    )
+    drawn = strict_checks(images, prompt * 3, count_shapes=True)
+    asked = strict_checks(images, prompt * 3, count_shapes=True, shape_over_asked=True)
+    # drawn as asked, or a circle for the triangle: two objects drawn, two asked, the same fit
+    torch.testing.assert_close(asked["shape"][:2], drawn["shape"][:2])
+    # the triangle left out: its fit counts as 0, so the square's fit is halved
+    assert asked["shape"][2].item() == pytest.approx(drawn["shape"][2].item() / 2)
+    assert drawn["score"][2] > drawn["score"][1]  # counting by shape alone pays for leaving it out ...
+    assert asked["score"][2] <= asked["score"][1] < asked["score"][0] / 3  # ... over the asked, no more
+    # clean renders: unchanged wherever every asked object is drawn apart (touching ones merge)
+    scenes, specs, _ = scenes_and_prompts(n=90)
+    clean = render_batch(scenes)
+    apart = strict_checks(clean, specs)["count"] == 1
+    assert apart.float().mean() > 0.95
+    torch.testing.assert_close(
+        strict_checks(clean, specs, count_shapes=True, shape_over_asked=True)["shape"][apart],
+        strict_checks(clean, specs, count_shapes=True)["shape"][apart],
+    )
+    reward = REWARDS.get("shapes_strict")(count_shapes=True, shape_over_asked=True)
+    torch.testing.assert_close(reward(images, prompts=prompt * 3), asked["score"])
+    torch.testing.assert_close(
+        strict_checks(list(images), prompt * 3, count_shapes=True, shape_over_asked=True)["shape"],
+        asked["shape"],
+    )
+
+
 def test_strict_reward_returns_one_term_when_asked():
     scenes, specs, _ = scenes_and_prompts(n=12)
     prompts = [prompt_text(spec) for spec in specs]
