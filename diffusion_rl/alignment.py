@@ -517,8 +517,7 @@ def strict_checks(
             strict_checks(image.unsqueeze(0), [spec], identity, count_shapes, shape_over_asked)
             for image, spec in zip(images, specs, strict=True)
         ]
-        keys = ("background", "count", "shape", "score")
-        return {k: torch.cat([p[k] for p in parts]) if parts else torch.zeros(0) for k in keys}
+        return {k: torch.cat([p[k] for p in parts]) if parts else torch.zeros(0) for k in STRICT_TERMS}
     if images.dim() != 4 or images.shape[1] != 3:
         raise ValueError(f"images must be [B, 3, H, W], got shape {tuple(images.shape)}")
     pixels = images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1)  # [B, H, W, 3]

@@ -43,7 +43,7 @@ from diffusion_rl.diffusion_trainer import build_reward, load_prompts
 from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, parse_prompt, train_prompts
-from mmrl.compare import group_methods, method_labels, t_975
+from mmrl.compare import group_methods, mean_ci95, method_labels, t_975
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
 
@@ -168,11 +168,8 @@ def build_rewards(entries: list[Any], prompts: list[str]) -> dict[str, Any]:
 
 def seed_spread(values: list[float]) -> dict[str, Any]:
     """Mean over seeds, sample standard deviation and the t-based 95% interval of the mean."""
-    n = len(values)
-    mean = statistics.fmean(values)
-    std = statistics.stdev(values)
-    half = t_975(n - 1) * std / math.sqrt(n)
-    return {"mean": mean, "std": std, "ci95": [mean - half, mean + half], "values": values}
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    return {"mean": mean, "std": std, "ci95": mean_ci95(mean, std, len(values)), "values": values}
 
 
 def welch(first: list[float], second: list[float]) -> dict[str, Any]:

@@ -95,6 +95,12 @@ def t_975(df: float) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
+def mean_ci95(mean: float, std: float, n: int) -> list[float]:
+    """The t-based 95% interval of a mean over `n` >= 2 values with sample standard deviation `std`."""
+    half = t_975(n - 1) * std / math.sqrt(n)
+    return [mean - half, mean + half]
+
+
 @dataclass
 class Curve:
     """A finished run's metric at each point compared (held out: before training, every `eval_every`
@@ -305,9 +311,7 @@ def method_summary(label: str, curves: list[Curve], seeds: list[Any], axes: list
     last = points[-1]
     final: dict[str, Any] = {"step": last["step"], "n": n, "mean": last["mean"], "std": last["std"]}
     if n > 1:
-        t = t_975(n - 1)
-        half = t * last["std"] / math.sqrt(n)
-        final.update(t=t, ci95=[last["mean"] - half, last["mean"] + half])
+        final.update(t=t_975(n - 1), ci95=mean_ci95(last["mean"], last["std"], n))
     else:
         final.update(t=None, ci95=None)
     band = None if n == 1 else "mean +- std" if n >= STD_BAND_FROM else "min-max"
