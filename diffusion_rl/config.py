@@ -212,7 +212,7 @@ class RewardConfig:
         if self.options:
             raise ConfigError(
                 f"config error: reward.options = {self.options!r} is given with reward.terms: give each "
-                "term its own options (reward.terms[i].options)"
+                "term its own options (reward.terms[i].options) and set reward.options={}"
             )
         self.terms = check_reward_terms(self.terms)
 

@@ -139,7 +139,10 @@ def build_reward(name: str, options: dict[str, Any], prefix: str) -> RewardFn:
     except UnknownNameError as err:
         raise ConfigError(f"config error: {prefix}name: {err}") from None
     except TypeError as err:
-        raise ConfigError(f"config error: {prefix}options = {options}: {err}") from None
+        raise ConfigError(
+            f"config error: {prefix}options = {options}: {err}; give {name}'s own options "
+            f"({prefix}options={{}} for none: a recipe's options stay when only {prefix}name is overridden)"
+        ) from None
     except ConfigError as err:  # the factory's own check of an option, named where this config holds it
         raise ConfigError(str(err).replace(OPTIONS_KEY, f"{prefix}options")) from None
 

@@ -12,6 +12,7 @@ from diffusion_rl.alignment import load_scorer, strict_checks
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.diffusion_trainer import (
+    build_reward_terms,
     combine_rewards,
     group_zscore,
     reward_hacking_record,
@@ -220,7 +221,9 @@ def test_terms_load_with_defaults_and_survive_a_saved_config(tmp_path):
     plain = load_config("diffusion/branchgrpo")
     assert (plain.reward.name, plain.reward.terms, plain.reward.normalize) == ("geneval_mini", None, "none")
     assert build(BranchGRPOConfig, to_dict(plain)) == plain
-    weight_one = load_config("diffusion/nft", ["reward.name=null", "reward.terms=[{name: geneval_mini}]"])
+    weight_one = load_config(
+        "diffusion/nft", ["reward.name=null", "reward.options={}", "reward.terms=[{name: geneval_mini}]"]
+    )
     assert weight_one.reward.terms == [
         {"name": "geneval_mini", "weight": 1.0, "options": {}, "label": "geneval_mini"}
     ]
@@ -276,7 +279,7 @@ def test_terms_load_with_defaults_and_survive_a_saved_config(tmp_path):
         ),
         (
             ["reward.options={quality: 3}", "reward.terms=[geneval_mini]"],
-            r"reward.options = .* is given with reward.terms",
+            r"reward.options = .* is given with reward.terms.*set reward.options=\{\}",
         ),
         (["reward.normalize=groups"], r"reward.normalize = 'groups' is not allowed.*did you mean 'group'"),
         (
@@ -300,6 +303,14 @@ def test_name_and_terms_together_are_refused():
         ConfigError, match=r"reward.name = 'geneval_mini' and reward.terms are both given.*null"
     ):
         load_config("diffusion/branchgrpo", ["reward.terms=[{name: jpeg_compressibility}]"])
+
+
+def test_a_recipes_options_left_for_another_reward_name_the_fix():
+    config = load_config("diffusion/nft", ["reward.name=geneval_mini"])  # count_shapes stays
+    with pytest.raises(ConfigError, match=r"count_shapes.*reward.options=\{\} for none"):
+        build_reward_terms(config.reward)
+    cleared = load_config("diffusion/nft", ["reward.name=geneval_mini", "reward.options={}"])
+    assert build_reward_terms(cleared.reward)[0].name == "geneval_mini"
 
 
 @pytest.mark.parametrize(
