@@ -42,6 +42,7 @@ NFT = [
     "rollout.group_size=16",
     "rollout.prompts_per_step=4",
     "reward.name=geneval_mini",  # every row trains the same reward (the nft recipe trains shapes_strict)
+    "reward.options={}",
     "eval.gold_reward=null",  # the nft recipe's gold, geneval_mini, is trained here
 ]
 VARIANTS = {

@@ -297,6 +297,7 @@ def test_trainers_train_flux_with_lora_and_plain_diffusers_loads_it(flux_dirs, t
             "rollout.image_size=32",
             "train.lr=0.05",
             "reward.name=jpeg_compressibility",
+            "reward.options={}",  # the recipe's options are shapes_strict's
             "eval.prompts=1",
             "eval.steps=2",
             *TRAIN[recipe],

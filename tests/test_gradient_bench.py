@@ -38,6 +38,7 @@ def overrides(model_dir):
         "rollout.steps=6",
         "rollout.guidance_scale=1.0",
         "reward.name=jpeg_incompressibility",
+        "reward.options={}",  # the recipe's options are shapes_strict's
         "eval.gold_reward=null",
         "train.micro_batch=8",
     ]

@@ -38,6 +38,7 @@ def trainer_for(model_dir, run_dir, *overrides, setup=True):
             "rollout.group_size=4",
             "rollout.steps=4",
             "reward.name=jpeg_incompressibility",
+            "reward.options={}",  # the recipe's options are shapes_strict's
             "eval.prompts=2",
             "eval.steps=2",
             *overrides,
