@@ -21,12 +21,50 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mmrl.registry import REWARDS
 
 RewardFn = Callable[..., Tensor]
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class RewardOutputError(ValueError):
+    """A reward function returned something that is not one float per sample: a bug in that reward,
+    stopped with its name rather than trained on (a short batch would silently drop samples)."""
+
+
+def checked_rewards(values: Any, count: int, name: str) -> Tensor:
+    """What reward `name` returned for `count` samples, as a float32 tensor of shape [count].
+
+    Refuses (RewardOutputError) anything else: another number of values, a non-numeric or complex
+    result, a finite value beyond float32's range (it would become inf and be dropped as non-finite).
+    NaN and inf pass through: they are data, which the trainers skip and count."""
+    try:  # Python or NumPy numbers in float64 first, so that a value past float32's range is seen
+        tensor = values if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values))
+    except (TypeError, ValueError, RuntimeError):
+        raise RewardOutputError(
+            f"reward {name!r} returned {type(values).__name__} {str(values)[:60]}, not one number per sample"
+        ) from None
+    if tensor.is_complex():
+        raise RewardOutputError(f"reward {name!r} returned complex values; return one real number per sample")
+    if tensor.dim() != 1 or len(tensor) != count:
+        raise RewardOutputError(
+            f"reward {name!r} returned shape {tuple(tensor.shape)} for {count} samples: it must return "
+            f"one value per sample, shape ({count},)"
+        )
+    wide = tensor.double()
+    huge = torch.isfinite(wide) & (wide.abs() > FLOAT32_MAX)
+    if huge.any():
+        first = int(huge.nonzero()[0])
+        raise RewardOutputError(
+            f"reward {name!r} returned {float(wide[first]):g} (sample {first}), beyond float32's range "
+            f"(+-{FLOAT32_MAX:.3g}): rescale the reward"
+        )
+    return tensor.float()
+
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _BOXED = "\\boxed{"
@@ -195,12 +233,12 @@ def weighted_sum(
     unused = sorted(set(reward_kwargs) - set(weights))
     if unused:
         raise ValueError(f"reward_kwargs given for {unused}, which are not in weights {sorted(weights)}")
-    parts = [(REWARDS.get(name)(**reward_kwargs.get(name, {})), weight) for name, weight in weights.items()]
+    parts = [(name, REWARDS.get(name)(**reward_kwargs.get(name, {})), w) for name, w in weights.items()]
 
     def reward(samples: Sequence, **batch_fields: Any) -> Tensor:
         total = torch.zeros(len(samples), dtype=torch.float32)
-        for reward_fn, weight in parts:
-            total += weight * reward_fn(samples, **batch_fields).float()
+        for name, reward_fn, weight in parts:
+            total += weight * checked_rewards(reward_fn(samples, **batch_fields), len(samples), name)
         return total
 
     return reward

@@ -1,8 +1,10 @@
+import math
+
 import pytest
 import torch
 
 from mmrl.registry import REWARDS, UnknownNameError
-from mmrl.rewards import extract_answer
+from mmrl.rewards import RewardOutputError, checked_rewards, extract_answer
 
 EXTRACTION_CASES = [
     ("<think>hmm</think><answer>B</answer>", None, "B"),
@@ -98,3 +100,39 @@ def test_weighted_sum_rejects_bad_names():
         REWARDS.get("weighted_sum")(weights={"answer_mach": 1.0})
     with pytest.raises(ValueError, match="not in weights"):
         REWARDS.get("weighted_sum")(weights={"format": 1.0}, reward_kwargs={"answer_match": {}})
+
+
+@pytest.mark.parametrize(
+    ("returned", "found"),
+    [
+        ([1.0], "shape (1,) for 2 samples"),
+        ([1.0, 2.0, 3.0], "shape (3,) for 2 samples"),
+        ([[1.0], [2.0]], "shape (2, 1)"),
+        (["a", "b"], "not one number per sample"),
+        ([1e308, 0.0], "beyond float32's range"),
+        ([1 + 2j, 0.0], "complex"),
+    ],
+)
+def test_a_reward_that_does_not_return_one_float_per_sample_is_named(returned, found):
+    with pytest.raises(RewardOutputError, match="reward 'mine'") as err:
+        checked_rewards(returned, 2, "mine")
+    assert found in str(err.value)
+
+
+def test_checked_rewards_keep_nan_as_data_and_numbers_as_float32():
+    out = checked_rewards([float("nan"), 1], 2, "mine")
+    assert out.dtype == torch.float32 and math.isnan(out[0]) and out[1] == 1.0
+    assert checked_rewards(torch.tensor([True, False]), 2, "mine").tolist() == [1.0, 0.0]
+
+
+def test_weighted_sum_names_the_part_that_returned_too_few():
+    @REWARDS.register("returns_one_value")
+    def returns_one_value():
+        return lambda samples, **_: torch.ones(1)
+
+    try:
+        total = REWARDS.get("weighted_sum")(weights={"format": 1.0, "returns_one_value": 1.0})
+        with pytest.raises(RewardOutputError, match="'returns_one_value' returned shape"):
+            total(["a", "b"])
+    finally:
+        REWARDS._entries.pop("returns_one_value")
