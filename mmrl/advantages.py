@@ -10,10 +10,15 @@ Group-based estimators take 1-D `rewards` and `group_ids` of the same length. Gr
 int64 labels (not necessarily contiguous or sorted); all statistics are segment reductions over
 `torch.unique(..., return_inverse=True)`, vectorised over the whole batch (no loop over groups).
 Statistics are accumulated in float64 and the result is cast back to the rewards' dtype (float32
-for integer or bool rewards). Standard deviations are population ones (unbiased=False): they are
-defined for any group size and give each group's advantages std 1 up to eps (verl and TRL use the
-unbiased std, which differs by the factor sqrt((G-1)/G)). Rewards containing NaN or inf raise
-ValueError: a non-finite reward would silently poison every advantage of its group.
+for integer or bool rewards). Rewards containing NaN or inf raise ValueError: a non-finite reward
+would silently poison every advantage of its group.
+
+An estimator that carries a paper's name computes what that paper's code computes, its standard
+deviation (population or unbiased) and eps included; a deliberate variant has a name of its own
+and says how it differs. Each entry's `source` tag says which it is (`mmrl list` shows it). The
+group estimators use population standard deviations, as Flow-GRPO's and DiffusionNFT's code do
+(verl and TRL use the unbiased one, larger by sqrt(G / (G - 1))); BranchGRPO's depth-wise
+advantage uses the unbiased one, as its code does.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def _keep_all(x: Tensor) -> Tensor:
     return torch.ones_like(x, dtype=torch.bool)
 
 
-@ADVANTAGES.register("grpo", kind="group")
+@ADVANTAGES.register("grpo", kind="group", source="GRPO, population std")
 def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps) within each group g (population std).
 
@@ -112,10 +117,11 @@ def grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     return Advantages(values.to(rewards.dtype), _keep_all(rewards))
 
 
-@ADVANTAGES.register("grpo_global_std", kind="group")
-def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
+@ADVANTAGES.register("grpo_global_std", kind="group", source="Flow-GRPO's and DiffusionNFT's code")
+def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-4) -> Advantages:
     """Flow-GRPO: A_i = (r_i - mean_g) / (std_batch + eps), with the population std of all rewards
-    of the batch, so groups with a small spread are not blown up to unit scale."""
+    of the batch (numpy's std) and eps 1e-4, as Flow-GRPO's and DiffusionNFT's per-prompt stat
+    trackers compute it, so groups with a small spread are not blown up to unit scale."""
     rewards = _as_float(rewards)
     _, segment, sizes = _segments(rewards, group_ids)
     r = rewards.double()
@@ -124,7 +130,7 @@ def grpo_global_std(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Ad
     return Advantages(values.to(rewards.dtype), _keep_all(rewards))
 
 
-@ADVANTAGES.register("rloo", kind="group")
+@ADVANTAGES.register("rloo", kind="group", source="RLOO")
 def rloo(rewards: Tensor, group_ids: Tensor) -> Advantages:
     """RLOO: A_i = r_i - mean_{j != i} r_j = (n r_i - sum_g) / (n - 1) within each group of size n.
 
@@ -148,7 +154,7 @@ def _sortable_int64(x: Tensor) -> Tensor:
     return bits ^ ((bits >> 63) & torch.iinfo(torch.int64).max)
 
 
-@ADVANTAGES.register("mc_grpo", kind="group", group_size="odd")
+@ADVANTAGES.register("mc_grpo", kind="group", group_size="odd", source="MC-GRPO")
 def mc_grpo(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Advantages:
     """MC-GRPO: median baseline over G+1 rollouts, A_i = (r_i - median_g) / (std_g + eps).
 
@@ -219,49 +225,152 @@ def _ancestors(parents: Tensor, depths: Tensor) -> Tensor:
     return table
 
 
-def _normalised_within(r: Tensor, keys: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(r - mean) / (std + eps) within each key's nodes, 0 where they spread less than DEGENERATE_STD;
-    and each node's count of nodes sharing its key."""
+def _normalised_within(r: Tensor, keys: Tensor, eps: float, unbiased: bool) -> tuple[Tensor, Tensor]:
+    """(r - mean) / (std + eps) within each key's nodes (the unbiased or the population std), 0 for a
+    key of one node or whose nodes spread less than DEGENERATE_STD; and each node's count of nodes
+    sharing its key."""
     _, segment, sizes = _segments(r, keys)
     mean, std = _segment_mean_std(r, segment, sizes)
-    values = (r - mean[segment]) / (std[segment] + eps)
-    return values.masked_fill(std[segment] < DEGENERATE_STD, 0.0), sizes[segment]
+    if unbiased:
+        std = std * (sizes / (sizes - 1).clamp(min=1)).sqrt()
+    std, n = std[segment], sizes[segment]
+    values = (r - mean[segment]) / (std + eps)
+    return values.masked_fill((std < DEGENERATE_STD) | (n < 2), 0.0), n
 
 
-@ADVANTAGES.register("tree_depthwise", kind="tree")
+def _by_tree_depth(ancestors: Tensor, depths: Tensor) -> Tensor:
+    """One key per (tree, depth): the nodes a depth-wise advantage compares."""
+    return ancestors[:, 0] * ancestors.shape[1] + depths
+
+
+@ADVANTAGES.register("tree_depthwise", kind="tree", source="BranchGRPO's code")
 def tree_depthwise(
-    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
+    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-8, clip: float | None = 5.0
 ) -> Advantages:
-    """BranchGRPO depth-wise advantage: A(n) = (R(n) - mean_d) / (std_d + eps) over the nodes at the
-    same depth d of the same tree, clipped to [-clip, clip] (None: no clip).
+    """BranchGRPO's depth-wise advantage: A(n) = (R(n) - mean_d) / (std_d + eps) over the nodes at the
+    same depth d of the same tree, std_d the unbiased standard deviation (torch.std), clipped to
+    [-clip, clip] (None: no clip), as BranchGRPO's code computes it.
 
     `parents[i]` is the row of node i's parent (-1 for a root), `depths[i]` its depth (roots 0). A
     (tree, depth) with one node or with std < DEGENERATE_STD gets 0. The edge parent -> child is
-    trained with A(child).
+    trained with A(child). The unbiased std is sqrt(n / (n - 1)) times the population one, so a depth
+    of few nodes gets smaller advantages than a wide one (x0.71 at two nodes, x0.96 at twelve):
+    `tree_depthwise_population_std` gives every depth unit scale instead.
     """
     node_rewards = _as_float(node_rewards)
     ancestors = _ancestors(parents, depths)
-    keys = ancestors[:, 0] * ancestors.shape[1] + depths  # (tree, depth)
-    values, _ = _normalised_within(node_rewards.double(), keys, eps)
+    values, _ = _normalised_within(node_rewards.double(), _by_tree_depth(ancestors, depths), eps, True)
     if clip is not None:
         values = values.clamp(-clip, clip)
     return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
 
 
-@ADVANTAGES.register("tree_subgroup", kind="tree")
-def tree_subgroup(
+@ADVANTAGES.register(
+    "tree_depthwise_population_std", kind="tree", source="variant of tree_depthwise: population std"
+)
+def tree_depthwise_population_std(
     node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
 ) -> Advantages:
-    """TreePO's subgroup-averaged advantage: node n at depth d is normalised within each subgroup it
-    belongs to (the nodes at depth d below one of its ancestors), and these are averaged over the
-    ancestors' levels 0..d-1:
+    """`tree_depthwise` with the population standard deviation (and eps 1e-6): every (tree, depth)
+    with a spread gets advantages of mean 0 and std 1 up to eps, whatever its number of nodes, where
+    BranchGRPO's unbiased std scales a depth of n nodes by sqrt((n - 1) / n) and so weighs shallow,
+    narrow depths less. Otherwise as `tree_depthwise`."""
+    node_rewards = _as_float(node_rewards)
+    ancestors = _ancestors(parents, depths)
+    values, _ = _normalised_within(node_rewards.double(), _by_tree_depth(ancestors, depths), eps, False)
+    if clip is not None:
+        values = values.clamp(-clip, clip)
+    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+
+
+@ADVANTAGES.register("treepo", kind="tree", source="TreePO's code (tree_reinforce_plus_plus_baseline)")
+def treepo(
+    node_rewards: Tensor,
+    parents: Tensor,
+    depths: Tensor,
+    weighting: str = "average",
+    clip: float | None = None,
+) -> Advantages:
+    """TreePO's segment-level advantage (its `tree_reinforce_plus_plus_baseline`), from the leaves'
+    rewards alone (inner nodes' fused rewards are not read, so the fusion mode does not matter).
+
+    For a leaf l at depth D, each ancestor a at depth 0..D-1 defines a subgroup, the leaves below a,
+    with mean reward m(a); the subgroups of one leaf (the root's always, a deeper one only when it
+    holds more than that leaf) give the terms R(l) - m(a), which are averaged (`weighting="average"`,
+    TreePO's recipe) or weighted by the subgroups' sizes (`"group_size"`, its code's default). The
+    leaves' values are then whitened once over the whole batch: (x - mean) / sqrt(var + 1e-8) with
+    the unbiased variance over the leaves (verl's masked_whiten, each leaf counted once where TreePO
+    counts it once per response token). A root with a single leaf uses subgroup mean 0 (TreePO's
+    code), so that leaf keeps its raw reward before whitening; a batch of one leaf gets 0. A chain of
+    nodes that do not branch adds one subgroup per node, as a TreePO segment does.
+
+    An inner node gets the mean of its leaves' values: TreePO trains a shared segment once per leaf
+    below it with that leaf's advantage, whose mean this is; node credit trains the segment once with
+    it (weight 1, where TreePO's token sum weighs it by its leaf count). `clip` (None: none, as in
+    TreePO's code) clips the whitened values, for trainers that clip every tree advantage.
+    """
+    if weighting not in ("average", "group_size"):
+        raise ValueError(f"treepo: weighting must be 'average' or 'group_size', got {weighting!r}")
+    node_rewards = _as_float(node_rewards)
+    _check_finite("rewards", node_rewards)
+    ancestors = _ancestors(parents, depths)
+    r, n = node_rewards.double(), len(node_rewards)
+    is_leaf = torch.ones(n, dtype=torch.bool, device=r.device)
+    is_leaf[parents[parents >= 0].long()] = False
+    leaves = is_leaf.nonzero().flatten()
+    levels = ancestors.shape[1]
+    # leaves and leaf-reward sums below every node, from each leaf's row of ancestors
+    below = ancestors[leaves]  # [L, D+1], -1 past a leaf's own depth
+    valid = below >= 0
+    count = torch.zeros(n, dtype=torch.float64, device=r.device).index_add_(
+        0, below[valid], torch.ones(int(valid.sum()), dtype=torch.float64, device=r.device)
+    )
+    total = torch.zeros(n, dtype=torch.float64, device=r.device).index_add_(
+        0, below[valid], r[leaves].unsqueeze(1).expand_as(below)[valid]
+    )
+    leaf_depth = depths[leaves].long()
+    level = torch.arange(levels, device=r.device).expand_as(below)
+    ancestor = below.clamp(min=0)
+    size = count[ancestor]
+    # a leaf's subgroups: its ancestors strictly above it; the root's always, a deeper one if shared
+    counted = (level < leaf_depth.unsqueeze(1)) & ((level == 0) | (size > 1))
+    mean = torch.where(size > 1, total[ancestor] / size.clamp(min=1), 0.0)
+    weight = counted.double() * (size if weighting == "group_size" else 1.0)
+    terms = (r[leaves].unsqueeze(1) - mean) * weight
+    leaf_values = terms.sum(1) / weight.sum(1).clamp(min=1e-300)
+    values = torch.zeros(n, dtype=torch.float64, device=r.device)
+    if len(leaves) > 1:
+        centre, spread = leaf_values.mean(), leaf_values.var(unbiased=True)
+        leaf_values = (leaf_values - centre) * torch.rsqrt(spread + 1e-8)
+        sums = torch.zeros(n, dtype=torch.float64, device=r.device).index_add_(
+            0, below[valid], leaf_values.unsqueeze(1).expand_as(below)[valid]
+        )
+        values = sums / count.clamp(min=1)
+    if clip is not None:
+        values = values.clamp(-clip, clip)
+    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+
+
+@ADVANTAGES.register(
+    "tree_depthwise_nested", kind="tree", source="variant of treepo: subgroups by depth, normalised"
+)
+def tree_depthwise_nested(
+    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
+) -> Advantages:
+    """The depth-wise normalisation repeated inside every ancestor's subtree and averaged: node n at
+    depth d is normalised within each subgroup it belongs to (the nodes at depth d below one of its
+    ancestors, population std), averaged over the ancestors' levels 0..d-1:
 
         A(n) = mean over levels l with a subgroup of >= 2 nodes of (R(n) - mean_l) / (std_l + eps)
 
-    Level 0 alone is `tree_depthwise`; deeper levels compare a node with its closer relatives (siblings
-    that share more of its prefix), so credit for a late decision is not swamped by an early one. A
-    subgroup spreading less than DEGENERATE_STD contributes 0; a node in no subgroup of two gets 0.
-    Clipped to [-clip, clip] (None: no clip)."""
+    Level 0 alone is `tree_depthwise_population_std`; deeper levels compare a node with its closer
+    relatives (siblings that share more of its prefix), so credit for a late decision is not swamped
+    by an early one. It differs from TreePO's estimator (`treepo`) in three ways: each subgroup term
+    is divided by that subgroup's std (TreePO subtracts means only and whitens once over the batch),
+    a subgroup holds the nodes at the node's own depth (TreePO's, all leaves below the ancestor,
+    which differ on trees whose leaves lie at several depths), and every node is scored from the
+    fused rewards (TreePO scores leaves). A subgroup spreading less than DEGENERATE_STD contributes 0;
+    a node in no subgroup of two gets 0. Clipped to [-clip, clip] (None: no clip)."""
     node_rewards = _as_float(node_rewards)
     ancestors = _ancestors(parents, depths)
     r = node_rewards.double()
@@ -273,7 +382,7 @@ def tree_subgroup(
         keys = torch.where(
             below, ancestors[:, level] * ancestors.shape[1] + depths, -1 - torch.arange(len(r))
         )
-        values, sizes = _normalised_within(r, keys, eps)
+        values, sizes = _normalised_within(r, keys, eps, False)
         counted = below & (sizes >= 2)
         total += torch.where(counted, values, 0.0)
         levels += counted.double()
@@ -283,12 +392,13 @@ def tree_subgroup(
     return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
 
 
-@ADVANTAGES.register("tree_value", kind="tree")
+@ADVANTAGES.register("tree_value", kind="tree", source="ours: TreeRL's global term, GRPO's scale")
 def tree_value(
     node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float = 1e-6, clip: float | None = 5.0
 ) -> Advantages:
-    """A node's fused reward against its tree's root, on the scale of the tree's leaves (TreeRL's
-    global advantage, normalised like GRPO):
+    """A node's fused reward against its tree's root, on the scale of the tree's leaves (the global
+    term of TreeRL's advantage, normalised like GRPO; TreeRL's own estimator adds a local term, the
+    node against its parent, and divides by the square root of the node's leaf count):
 
         A(n) = (R(n) - R(root)) / (std of the tree's leaf rewards + eps)
 
@@ -329,7 +439,7 @@ def _td_residuals(
     return target - values[..., :-1], target, not_done
 
 
-@ADVANTAGES.register("gae", kind="temporal")
+@ADVANTAGES.register("gae", kind="temporal", source="GAE")
 def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam: float = 0.95) -> Advantages:
     """Generalised advantage estimation over the last (time) axis, vectorised over leading axes.
 
@@ -353,7 +463,7 @@ def gae(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99, lam
     return Advantages(advantages, _keep_all(rewards), returns=advantages + values[..., :-1])
 
 
-@ADVANTAGES.register("td1", kind="temporal")
+@ADVANTAGES.register("td1", kind="temporal", source="TD(0)")
 def td1(rewards: Tensor, values: Tensor, dones: Tensor, gamma: float = 0.99) -> Advantages:
     """One-step TD advantage A_t = r_t + gamma (1 - d_t) V_{t+1} - V_t (GAE with lam = 0), same
     shapes as `gae`; returns are the one-step targets."""

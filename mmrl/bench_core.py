@@ -23,8 +23,9 @@ from mmrl.advantages import (
     rloo,
     td1,
     tree_depthwise,
-    tree_subgroup,
+    tree_depthwise_nested,
     tree_value,
+    treepo,
 )
 from mmrl.bench_all import check_counts, print_table
 from mmrl.config import check_device
@@ -162,9 +163,14 @@ def _advantage_rows(
             lambda: tree_depthwise(node_rewards, parents, depths),
         ),
         (
-            "tree_subgroup",
+            "treepo",
             f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
-            lambda: tree_subgroup(node_rewards, parents, depths),
+            lambda: treepo(node_rewards, parents, depths),
+        ),
+        (
+            "tree_depthwise_nested",
+            f"{len(node_rewards):,} nodes, {n_trees:,} binary trees of depth 4",
+            lambda: tree_depthwise_nested(node_rewards, parents, depths),
         ),
         (
             "tree_value",

@@ -465,8 +465,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     for kind, registry in sorted(ALL_REGISTRIES.items()):
         print(f"{kind} ({registry.doc}):")
         for name in registry.names():
-            kind = registry.kind_of(name)
-            print(f"  {name}" + (f"  ({kind.describe()})" if kind is not None else ""))
+            kind, source = registry.kind_of(name), registry.tag(name, "source")
+            about = [kind.describe()] if kind is not None else []
+            print(
+                f"  {name}"
+                + (f"  ({'; '.join(about + ([source] if source else []))})" if about or source else "")
+            )
     return 0
 
 

@@ -73,7 +73,7 @@ def aggregate_loss(
     return values.sum() / (values.shape[0] * norm_length)
 
 
-@LOSSES.register("ppo_clip", kind="policy")
+@LOSSES.register("ppo_clip", kind="policy", source="PPO, DAPO's clip-higher")
 def ppo_clip(
     logp: Tensor,
     old_logp: Tensor,
@@ -176,7 +176,7 @@ def nft_optimality(advantages: Tensor, clip: float) -> Tensor:
     return advantages.clamp(-clip, clip) / (2.0 * clip) + 0.5
 
 
-@LOSSES.register("diffusion_nft", kind="forward_process")
+@LOSSES.register("diffusion_nft", kind="forward_process", source="DiffusionNFT's code")
 def diffusion_nft(
     velocity: Tensor,
     old_velocity: Tensor,

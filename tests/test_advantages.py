@@ -12,8 +12,10 @@ from mmrl.advantages import (
     rloo,
     td1,
     tree_depthwise,
-    tree_subgroup,
+    tree_depthwise_nested,
+    tree_depthwise_population_std,
     tree_value,
+    treepo,
 )
 from mmrl.registry import ADVANTAGES
 
@@ -31,8 +33,10 @@ def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
         "mc_grpo": "group",
         "rloo": "group",
         "tree_depthwise": "tree",
-        "tree_subgroup": "tree",
+        "tree_depthwise_nested": "tree",
+        "tree_depthwise_population_std": "tree",
         "tree_value": "tree",
+        "treepo": "tree",
     }
     assert {name: ADVANTAGES.kind_of(name).name for name in ADVANTAGES.names()} == kinds
     assert ADVANTAGES.names_of_kind(("group", "tree")) == [
@@ -41,8 +45,10 @@ def test_every_estimator_is_registered_with_its_kind_and_returns_advantages():
         "mc_grpo",
         "rloo",
         "tree_depthwise",
-        "tree_subgroup",
+        "tree_depthwise_nested",
+        "tree_depthwise_population_std",
         "tree_value",
+        "treepo",
     ]
     rewards, ids = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0])
     for name in ["grpo", "grpo_global_std", "mc_grpo", "rloo"]:
@@ -140,6 +146,49 @@ def binary_forest(n_trees: int, depth: int) -> tuple[torch.Tensor, torch.Tensor,
     return parents, local_depths.repeat(n_trees), torch.arange(n_trees).repeat_interleave(size)
 
 
+# A hand-built tree of uneven shape: root 0 -> a (1), b (2), c (3, a leaf at depth 1); a -> leaves 4, 5;
+# b -> d (6) and a leaf 10 at depth 2; d -> leaves 7, 8, 9 at depth 3. Rows 11-14 are a second tree,
+# pruned to a chain: root 11 -> e (12) -> leaves 13, 14.
+UNEVEN_PARENTS = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 6, 6, 6, 2, -1, 11, 12, 12])
+UNEVEN_DEPTHS = torch.tensor([0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 2, 0, 1, 2, 2])
+UNEVEN_LEAF_REWARDS = {3: 0.2, 4: 1.0, 5: 0.0, 7: 1.0, 8: 1.0, 9: 0.0, 10: 0.5, 13: 0.3, 14: 0.9}
+
+
+def mean_fused(parents: torch.Tensor, leaf_rewards: dict[int, float]) -> torch.Tensor:
+    """Every node's mean leaf reward (BranchGRPO's mean fusion), computed by walking up from each leaf."""
+    sums, counts = [0.0] * len(parents), [0] * len(parents)
+    for leaf, reward in leaf_rewards.items():
+        node = leaf
+        while node >= 0:
+            sums[node] += reward
+            counts[node] += 1
+            node = int(parents[node])
+    return torch.tensor([total / count for total, count in zip(sums, counts, strict=True)])
+
+
+def branchgrpo_reference(rewards: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor) -> list[float]:
+    """BranchGRPO's depth-wise advantage as its code computes it, node by node: per tree and depth, 0
+    for one node or an unbiased std under 1e-6, else (r - mean) / (torch.std + 1e-8), then clipped
+    to [-5, 5] (its loss's adv_clip_max)."""
+    roots = []
+    for node in range(len(parents)):
+        root = node
+        while int(parents[root]) >= 0:
+            root = int(parents[root])
+        roots.append(root)
+    out = [0.0] * len(rewards)
+    for key in {(roots[i], int(depths[i])) for i in range(len(rewards))}:
+        nodes = [i for i in range(len(rewards)) if (roots[i], int(depths[i])) == key]
+        if len(nodes) <= 1:
+            continue
+        values = torch.tensor([float(rewards[i]) for i in nodes], dtype=torch.float64)
+        if values.std() < 1e-6:
+            continue
+        for i, value in zip(nodes, (values - values.mean()) / (values.std() + 1e-8), strict=True):
+            out[i] = max(-5.0, min(5.0, float(value)))
+    return out
+
+
 def test_tree_depthwise_hand_computed_and_single_node_depths():
     # One binary tree: root (row 0), depth 1: rows 1, 2 with [1, 3], depth 2: rows 3-6 with [0, 2, 2, 4];
     # a second tree (rows 7-9) whose depth-1 rewards are equal (std 0 -> advantage 0).
@@ -147,9 +196,32 @@ def test_tree_depthwise_hand_computed_and_single_node_depths():
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2, -1, 7, 7])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 2, 0, 1, 1])
     out = tree_depthwise(rewards, parents, depths, eps=0.0)
-    s2 = math.sqrt(2)  # depth 2: mean 2, deviations -2 0 0 2 -> std sqrt(2)
-    expected = torch.tensor([0.0, -1.0, 1.0, -2 / s2, 0.0, 0.0, 2 / s2, 0.0, 0.0, 0.0])
+    # unbiased stds: depth 1 sqrt(2); depth 2: deviations -2 0 0 2 -> sqrt(8 / 3)
+    s1, s2 = math.sqrt(2), math.sqrt(8 / 3)
+    expected = torch.tensor([0.0, -1 / s1, 1 / s1, -2 / s2, 0.0, 0.0, 2 / s2, 0.0, 0.0, 0.0])
     torch.testing.assert_close(out.values, expected)
+    # the population-std variant gives each depth unit scale: +-1 at depth 1, +-sqrt(2) at depth 2
+    population = tree_depthwise_population_std(rewards, parents, depths, eps=0.0).values
+    r2 = math.sqrt(2)
+    expected = torch.tensor([0.0, -1.0, 1.0, -2 / r2, 0.0, 0.0, 2 / r2, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(population, expected)
+
+
+def test_tree_depthwise_equals_branchgrpos_code_on_uneven_and_pruned_trees():
+    fused = mean_fused(UNEVEN_PARENTS, UNEVEN_LEAF_REWARDS)
+    got = tree_depthwise(fused, UNEVEN_PARENTS, UNEVEN_DEPTHS).values
+    torch.testing.assert_close(
+        got, torch.tensor(branchgrpo_reference(fused, UNEVEN_PARENTS, UNEVEN_DEPTHS)), atol=1e-6, rtol=1e-6
+    )
+    torch.manual_seed(5)
+    parents, depths, _ = binary_forest(6, 4)
+    rewards = torch.rand(len(depths))
+    torch.testing.assert_close(
+        tree_depthwise(rewards, parents, depths).values,
+        torch.tensor(branchgrpo_reference(rewards, parents, depths)),
+        atol=1e-6,
+        rtol=1e-6,
+    )
 
 
 def test_tree_depthwise_zero_mean_per_tree_depth_and_clip():
@@ -158,22 +230,100 @@ def test_tree_depthwise_zero_mean_per_tree_depth_and_clip():
     rewards = torch.rand(len(depths))
     values = tree_depthwise(rewards, parents, depths).values
     assert max(abs(m) for m in group_means(values, trees * 10 + depths)) < 1e-5
-    # One outlier among 16 leaves has z = 15 / sqrt(15) = 3.87; clip at 2 caps it.
+    # One outlier among 16 leaves: z = (15 / 16) / unbiased std (1/4) = 3.75; clip at 2 caps it.
     parents, depths, _ = binary_forest(1, 4)
     outlier = torch.zeros(len(depths))
     outlier[15] = 1.0  # the first leaf
-    assert math.isclose(
-        tree_depthwise(outlier, parents, depths).values[15].item(), math.sqrt(15), rel_tol=1e-5
-    )
+    assert math.isclose(tree_depthwise(outlier, parents, depths).values[15].item(), 3.75, rel_tol=1e-5)
     assert tree_depthwise(outlier, parents, depths, clip=2.0).values[15].item() == 2.0
 
 
-def test_tree_subgroup_hand_computed():
+def tree_paths(parents: torch.Tensor) -> dict[int, str]:
+    """Each leaf's path from its root as TreePO names a trajectory: node ids joined by '#'."""
+    has_child = {int(p) for p in parents if int(p) >= 0}
+    paths = {}
+    for leaf in (i for i in range(len(parents)) if i not in has_child):
+        chain, node = [], leaf
+        while node >= 0:
+            chain.append(str(node))
+            node = int(parents[node])
+        paths[leaf] = "#".join(reversed(chain))
+    return paths
+
+
+def treepo_reference(paths: dict[int, str], rewards: dict[int, float], weighting: str) -> dict[int, float]:
+    """TreePO's tree_reinforce_plus_plus_baseline on one score per trajectory, written from its
+    definition: for depth 0 .. max depth - 1, group the trajectories by the first depth + 1 parts of
+    their path; a group of one has mean 0; every trajectory takes r - mean of its group at depth 0,
+    and at a deeper depth when its group holds others too; the terms are averaged (or weighted by
+    group size), then whitened over the batch with the unbiased variance plus 1e-8."""
+    leaves = list(paths)
+    terms: dict[int, list[tuple[float, int]]] = {leaf: [] for leaf in leaves}
+    for depth in range(max(len(path.split("#")) - 1 for path in paths.values())):
+        prefix = {leaf: "#".join(paths[leaf].split("#")[: depth + 1]) for leaf in leaves}
+        groups: dict[str, list[int]] = {}
+        for leaf in leaves:
+            groups.setdefault(prefix[leaf], []).append(leaf)
+        for leaf in leaves:
+            members = groups[prefix[leaf]]
+            mean = sum(rewards[m] for m in members) / len(members) if len(members) > 1 else 0.0
+            if depth == 0 or len(members) > 1:
+                terms[leaf].append((rewards[leaf] - mean, len(members)))
+    if weighting == "average":
+        scores = {leaf: sum(t for t, _ in terms[leaf]) / len(terms[leaf]) for leaf in leaves}
+    else:
+        scores = {
+            leaf: sum(t * n for t, n in terms[leaf]) / sum(n for _, n in terms[leaf]) for leaf in leaves
+        }
+    values = torch.tensor([scores[leaf] for leaf in leaves], dtype=torch.float64)
+    whitened = (values - values.mean()) * torch.rsqrt(values.var() + 1e-8)
+    return dict(zip(leaves, whitened.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("weighting", ["average", "group_size"])
+def test_treepo_equals_treepos_code_on_uneven_and_pruned_trees(weighting):
+    paths = tree_paths(UNEVEN_PARENTS)
+    expected = treepo_reference(paths, UNEVEN_LEAF_REWARDS, weighting)
+    fused = mean_fused(UNEVEN_PARENTS, UNEVEN_LEAF_REWARDS)
+    values = treepo(fused, UNEVEN_PARENTS, UNEVEN_DEPTHS, weighting=weighting).values.double()
+    for leaf, value in expected.items():
+        assert math.isclose(values[leaf].item(), value, rel_tol=1e-6, abs_tol=1e-7), leaf
+    # an inner node gets the mean of its leaves' values: d (6) over 7, 8, 9; b (2) over 7, 8, 9, 10
+    assert math.isclose(values[6].item(), sum(expected[i] for i in (7, 8, 9)) / 3, rel_tol=1e-6)
+    assert math.isclose(values[2].item(), sum(expected[i] for i in (7, 8, 9, 10)) / 4, rel_tol=1e-6)
+    # inner nodes' fused rewards are not read (another fusion, the same advantages)
+    other_fusion = fused.clone()
+    other_fusion[[1, 2, 6, 12]] = torch.tensor([9.0, -3.0, 4.0, 0.0])
+    torch.testing.assert_close(
+        treepo(other_fusion, UNEVEN_PARENTS, UNEVEN_DEPTHS, weighting=weighting).values, values.float()
+    )
+
+
+def test_treepo_hand_computed_leaf_advantages_before_whitening():
+    # root 0 -> a (1) -> leaves 3 [1], 4 [0]; root -> leaf 2 [0.5]. Subgroups: root {3, 4, 2} mean 0.5;
+    # a {3, 4} mean 0.5. Leaf 3: avg(1 - 0.5, 1 - 0.5) = 0.5; leaf 4: -0.5; leaf 2: 0.5 - 0.5 = 0.
+    # Whitened with mean 0 and unbiased variance 0.25: 0.5 / sqrt(0.25 + 1e-8) = 1 (to 1e-7).
+    parents, depths = torch.tensor([-1, 0, 0, 1, 1]), torch.tensor([0, 1, 1, 2, 2])
+    rewards = torch.tensor([0.5, 0.5, 0.5, 1.0, 0.0])
+    values = treepo(rewards, parents, depths).values
+    torch.testing.assert_close(values, torch.tensor([0.0, 0.0, 0.0, 1.0, -1.0]), atol=1e-6, rtol=0)
+    # a lone leaf under its root keeps its raw reward before whitening (TreePO's code: mean 0)
+    lone = treepo(
+        torch.tensor([0.2, 0.2, 0.6, 0.6]), torch.tensor([-1, 0, -1, 2]), torch.tensor([0, 1, 0, 1])
+    )
+    assert lone.values[1] < 0 < lone.values[3]
+    assert treepo(torch.tensor([0.0, 1.0]), torch.tensor([-1, 0]), torch.tensor([0, 1])).values.tolist() == [
+        0,
+        0,
+    ]
+
+
+def test_tree_depthwise_nested_hand_computed():
     # root 0 -> a (1), b (2); a -> rows 3, 4; b -> rows 5, 6. Leaf rewards [1, 0] under a, [1, 1] under b.
     rewards = torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 2])
-    out = tree_subgroup(rewards, parents, depths, eps=0.0).values
+    out = tree_depthwise_nested(rewards, parents, depths, eps=0.0).values
     # depth 1: one level (the root's subgroup {a, b}): a = -1, b = +1.
     # leaf 3 (reward 1): level 0 subgroup = all 4 leaves (mean 0.75, std sqrt(3)/4) -> 0.25 / (sqrt(3)/4);
     # level 1 subgroup = {3, 4} (mean 0.5, std 0.5) -> 1; averaged over the two levels.
@@ -182,27 +332,39 @@ def test_tree_subgroup_hand_computed():
         [0.0, -1.0, 1.0, (z0 + 1.0) / 2, (-3 * z0 - 1.0) / 2, z0 / 2, z0 / 2]  # b's leaves tie at level 1
     )
     torch.testing.assert_close(out, expected)
-    # level 0 alone is tree_depthwise: on a depth-1 tree (a flat group) the two agree
+    # level 0 alone is the population-std depth-wise form: on a depth-1 tree (a flat group) they agree
     flat_parents, flat_depths = torch.tensor([-1, 0, 0, 0]), torch.tensor([0, 1, 1, 1])
     flat_rewards = torch.tensor([0.0, 1.0, 0.0, 0.5])
     torch.testing.assert_close(
-        tree_subgroup(flat_rewards, flat_parents, flat_depths).values,
-        tree_depthwise(flat_rewards, flat_parents, flat_depths).values,
+        tree_depthwise_nested(flat_rewards, flat_parents, flat_depths).values,
+        tree_depthwise_population_std(flat_rewards, flat_parents, flat_depths).values,
     )
 
 
-def test_tree_subgroup_credits_the_late_decision_more_than_depthwise():
+def test_tree_depthwise_nested_credits_the_late_decision_more_than_depthwise():
     # a's leaves [1, 0]: the late decision mattered; b's leaves [1, 1]: only the early one (b) did.
-    # Depth-wise credit is the same for all three right answers; the subgroup form ranks a's right
+    # Depth-wise credit is the same for all three right answers; the nested form ranks a's right
     # answer above b's, whose credit already went to the edge into b.
     rewards = torch.tensor([0.75, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 2])
-    depthwise = tree_depthwise(rewards, parents, depths).values
-    subgroup = tree_subgroup(rewards, parents, depths).values
+    depthwise = tree_depthwise_population_std(rewards, parents, depths).values
+    nested = tree_depthwise_nested(rewards, parents, depths).values
     assert depthwise[3] == depthwise[5] == depthwise[6]
-    assert subgroup[3] > depthwise[3] > subgroup[5] == subgroup[6] > 0
-    assert subgroup[4] < 0 and depthwise[4] < 0
+    assert nested[3] > depthwise[3] > nested[5] == nested[6] > 0
+    assert nested[4] < 0 and depthwise[4] < 0
+
+
+def test_every_advantage_and_loss_says_where_it_comes_from():
+    from mmrl.registry import LOSSES
+
+    for registry in (ADVANTAGES, LOSSES):
+        for name in registry.names():
+            assert registry.tag(name, "source"), f"{registry.kind} {name} has no source tag"
+    variants = [n for n in ADVANTAGES.names() if ADVANTAGES.tag(n, "source").startswith("variant of ")]
+    assert sorted(variants) == ["tree_depthwise_nested", "tree_depthwise_population_std"]
+    for name in variants:  # a variant names the entry it varies
+        assert ADVANTAGES.tag(name, "source").split()[2].rstrip(":") in ADVANTAGES.names()
 
 
 def test_tree_value_hand_computed():
@@ -226,18 +388,21 @@ def test_tree_value_is_grpo_on_a_flat_group_and_scales_shallow_credit_by_the_gap
         grpo(leaves, torch.zeros(4, dtype=torch.long)).values,
     )
     # Two subtrees whose leaves differ by 1 within each and whose means differ by 0.02: depth-wise
-    # credit gives the two early edges +-1 whatever the gap; tree_value gives them about +-0.02.
+    # credit gives the two early edges +-1/sqrt(2) (unbiased std of two) whatever the gap; tree_value
+    # gives them about +-0.02.
     rewards = torch.tensor([0.5, 0.49, 0.51, 0.99, -0.01, 1.01, 0.01])
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
     depths = torch.tensor([0, 1, 1, 2, 2, 2, 2])
     value = tree_value(rewards, parents, depths).values
     depthwise = tree_depthwise(rewards, parents, depths).values
-    assert depthwise[:3].tolist() == pytest.approx([0.0, -1.0, 1.0], rel=1e-3)
+    assert depthwise[:3].tolist() == pytest.approx([0.0, -(0.5**0.5), 0.5**0.5], rel=1e-3)
     assert -0.03 < value[1].item() < 0 < value[2].item() < 0.03  # the better subtree still ranks first
     assert value[3] > 0 > value[4] and value[5] > 0 > value[6]
 
 
-@pytest.mark.parametrize("estimator", [tree_depthwise, tree_subgroup, tree_value])
+@pytest.mark.parametrize(
+    "estimator", [tree_depthwise, tree_depthwise_population_std, tree_depthwise_nested, tree_value, treepo]
+)
 def test_tree_estimators_refuse_a_non_finite_node_reward(estimator):
     rewards = torch.tensor([0.5, float("nan"), 1.0])
     with pytest.raises(ValueError, match="rewards contain NaN .*index 1"):
@@ -249,7 +414,7 @@ def test_tree_estimators_refuse_a_parent_table_that_is_not_a_forest():
     with pytest.raises(ValueError, match="parent's depth \\+ 1"):
         tree_depthwise(rewards, torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="row indices"):
-        tree_subgroup(rewards, torch.tensor([-1, 0, 5]), torch.tensor([0, 1, 1]))
+        tree_depthwise_nested(rewards, torch.tensor([-1, 0, 5]), torch.tensor([0, 1, 1]))
 
 
 def gae_reference(rewards, values, dones, gamma, lam):
@@ -313,7 +478,9 @@ def test_group_estimators_are_permutation_invariant(estimator):
     assert torch.equal(permuted.loss_mask, out.loss_mask[perm])
 
 
-@pytest.mark.parametrize("estimator", [tree_depthwise, tree_subgroup, tree_value])
+@pytest.mark.parametrize(
+    "estimator", [tree_depthwise, tree_depthwise_population_std, tree_depthwise_nested, tree_value, treepo]
+)
 def test_tree_estimators_are_permutation_invariant(estimator):
     torch.manual_seed(6)
     parents, depths, _ = binary_forest(8, 3)

@@ -31,7 +31,7 @@ def test_list_shows_recipes_and_every_registry(capsys):
         "mc_grpo",
         "rloo",
         "tree_depthwise",
-        "tree_subgroup",
+        "treepo",
         "tree_value",
         "gae",
         "uniform",
@@ -47,10 +47,11 @@ def test_list_shows_recipes_and_every_registry(capsys):
         "answer_match",
     ):
         assert f"  {name}\n" in out or f"  {name}  (" in out
-    # entries of registries with kinds say what they are called with
-    assert "  gae  (a temporal advantage (rewards, values, dones))\n" in out
-    assert "  grpo  (a group advantage (rewards, group_ids))\n" in out
-    assert "  ppo_clip  (a policy loss (logp, old_logp, advantages, mask))\n" in out
+    # entries of registries with kinds say what they are called with, and where they come from
+    assert "  gae  (a temporal advantage (rewards, values, dones); GAE)\n" in out
+    assert "  tree_depthwise  (a tree advantage (node_rewards, parents, depths); BranchGRPO's code)\n" in out
+    assert "  tree_depthwise_population_std  (a tree advantage (node_rewards, parents, depths); vari" in out
+    assert "  ppo_clip  (a policy loss (logp, old_logp, advantages, mask); PPO" in out
 
 
 def test_unknown_bench_is_a_clear_error(capsys):

@@ -32,9 +32,10 @@ def assert_direction(delta: torch.Tensor, sign: torch.Tensor) -> None:
     [
         ("core/tiny_grpo", "grpo"),
         ("core/tiny_branch_grpo", "tree_depthwise"),
+        ("core/tiny_branch_grpo", "treepo"),
         ("core/tiny_branch_grpo", "grpo"),
     ],
-    ids=["flat", "tree-node-credit", "tree-flat-credit"],
+    ids=["flat", "tree-node-credit", "tree-treepo", "tree-flat-credit"],
 )
 def test_tiny_grpo_update_raises_rewarded_answers(tmp_path, monkeypatch, recipe, advantage):
     from mmrl.examples import tiny_grpo
@@ -123,7 +124,7 @@ def first_branch(key: int, branch_factor: int) -> int:
     return key
 
 
-@pytest.mark.parametrize("advantage", ["tree_depthwise", "grpo"])
+@pytest.mark.parametrize("advantage", ["tree_depthwise", "treepo", "grpo"])
 def test_branch_grpo_update_raises_the_rewarded_subtree(flow_dir, tmp_path, monkeypatch, advantage):
     """Leaves under the root's first child score 1, the others 0: every node in the first subtree has
     the higher fused reward at its depth, every node in the second the lower; with flat credit

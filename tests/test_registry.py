@@ -14,7 +14,10 @@ from mmrl.cli import load_plugins, main
 from mmrl.registry import ADVANTAGES, LOSSES, EntryKind, Registry, UnknownNameError
 
 load_plugins()
-GROUP_OR_TREE = "grpo, grpo_global_std, mc_grpo, rloo, tree_depthwise, tree_subgroup, tree_value"
+GROUP_OR_TREE = (
+    "grpo, grpo_global_std, mc_grpo, rloo, tree_depthwise, tree_depthwise_nested, "
+    "tree_depthwise_population_std, tree_value, treepo"
+)
 
 
 def test_an_entry_whose_signature_does_not_fit_its_kind_is_refused():

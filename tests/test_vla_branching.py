@@ -391,9 +391,9 @@ def test_the_advantage_defaults_to_the_tree_estimator_when_branching():
     assert load_config("vla/grpo", []).grpo.advantage == "grpo"
     branched = load_config("vla/grpo", ["grpo.branch_every=3"]).grpo
     assert (branched.advantage, branched.branch_every, branched.branching) == ("tree_depthwise", 3, [2, 2])
-    assert load_config(
-        "vla/grpo", ["grpo.branch_every=3", "grpo.advantage=tree_subgroup"]
-    ).grpo.advantage == ("tree_subgroup")
+    assert load_config("vla/grpo", ["grpo.branch_every=3", "grpo.advantage=treepo"]).grpo.advantage == (
+        "treepo"
+    )
     flat_credit = load_config("vla/grpo", ["grpo.branch_every=3", "grpo.advantage=grpo"]).grpo
     assert (flat_credit.advantage, flat_credit.branch_every) == ("grpo", 3)
 
