@@ -73,8 +73,9 @@ class NFTTrainConfig:
         1.0, "strength of the implicit positive / negative policies around the old one", min=1e-6
     )
     advantage: str = option(
-        "grpo",
-        "group advantage estimator whose values map to optimality r = clip(A, -C, C) / 2C + 1/2",
+        "grpo_global_std",
+        "group advantage estimator whose values map to optimality r = clip(A, -C, C) / 2C + 1/2 "
+        "(grpo_global_std: DiffusionNFT's per-prompt mean over the batch's std)",
         registry="advantage",
         kinds=("group",),
     )
@@ -85,20 +86,27 @@ class NFTTrainConfig:
         registry="loss",
         kinds=("forward_process",),
     )
-    loss_scale: float = option(
-        1.0, "multiplies the policy term (DiffusionNFT's reference code uses the advantage clip)", min=0.0
+    loss_scale: float | None = option(
+        None, "multiplies the policy term (null: train.adv_clip, as DiffusionNFT's code)", min=0.0
     )
-    timesteps_per_sample: int = option(
-        2,
-        "noise levels t ~ U(0, 1) drawn per clean sample and update",
+    noise_levels: Literal["sampler", "uniform"] = option(
+        "sampler",
+        "where a clean sample's noise levels come from: sampler, a keyed draw without repeats from the "
+        "rollout's own rollout.steps levels (DiffusionNFT's code); uniform, t ~ U(0, 1)",
+    )
+    timesteps_per_sample: int | None = option(
+        None,
+        "noise levels per clean sample and update (null: DiffusionNFT's int(0.99 x rollout.steps))",
         min=1,
-        max=64,
+        max=1000,
         why="each costs a forward",
     )
     old_decay_start: int = option(
-        0, "the old policy equals the trained one (decay 0) for this many steps", min=0
+        0, "the old policy equals the trained one (decay 0) for this many optimizer steps", min=0
     )
-    old_decay_rate: float = option(0.001, "after that, its EMA decay grows this much per step", min=0.0)
+    old_decay_rate: float = option(
+        0.001, "after that, its EMA decay grows this much per optimizer step", min=0.0
+    )
     old_decay_max: float = option(0.5, "up to this decay", min=0.0, max=0.9999)
     kl_coef: float = option(
         0.0, "weight of the squared velocity difference to the frozen start model", min=0.0
@@ -133,6 +141,13 @@ class DiffusionNFTConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         check_group_size(self.train.advantage, self.rollout.group_size, "rollout.group_size")
+        levels, steps = self.train.timesteps_per_sample, self.rollout.steps
+        if self.train.noise_levels == "sampler" and levels is not None and levels > steps:
+            raise ConfigError(
+                f"config error: train.timesteps_per_sample = {levels} noise levels per sample, but "
+                f"train.noise_levels = 'sampler' draws them without repeats from the rollout's "
+                f"rollout.steps = {steps}: use at most {steps}, or train.noise_levels=uniform"
+            )
         e, group = self.explore, self.rollout.group_size
         if e.enabled and (group % 2 or group > e.pool):
             raise ConfigError(
@@ -140,6 +155,13 @@ class DiffusionNFTConfig(BaseConfig):
                 f"the best half and the worst half of explore.pool = {e.pool} candidates: it must be even "
                 "and at most the pool"
             )
+
+
+def noise_levels_per_sample(cfg: DiffusionNFTConfig) -> int:
+    """How many noise levels each clean sample is trained at per update: `train.timesteps_per_sample`,
+    or DiffusionNFT's int(0.99 x rollout.steps) of the sampler's levels (at least one)."""
+    levels = cfg.train.timesteps_per_sample
+    return levels if levels is not None else max(1, int(0.99 * cfg.rollout.steps))
 
 
 def check_nft_size(
@@ -154,12 +176,13 @@ def check_nft_size(
     side = pipe.latent_shape()[-1] * pipe.vae_scale
     rows = r.prompts_per_step * max(r.group_size, cfg.explore.pool if cfg.explore.enabled else 0)
     guided = 2 if r.guidance_scale != 1.0 else 1
-    kept = rows * (1 + 3 * t.timesteps_per_sample)  # clean latents; noised latents, noise, old velocity
+    levels = noise_levels_per_sample(cfg)
+    kept = rows * (1 + 3 * levels)  # clean latents; noised latents, noise, old velocity
     need = latent * (kept + guided * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
     check_memory(
         need + 2 * t.micro_batch * TRAINING_LATENTS * latent,
         f"a step of {r.prompts_per_step} prompts x {rows // r.prompts_per_step} samples of {side}x{side} px, "
-        f"{t.timesteps_per_sample} noise levels each, and updates of {t.micro_batch} noised samples "
+        f"{levels} noise levels each, and updates of {t.micro_batch} noised samples "
         "(rollout.prompts_per_step x rollout.group_size or explore.pool, rollout.image_size, "
         "train.micro_batch)",
         ["rollout.prompts_per_step", "explore.pool" if cfg.explore.enabled else "rollout.group_size"]

@@ -11,15 +11,18 @@ One training step, read top to bottom in `DiffusionNFTTrainer.train_step`:
    `rollout.group_size / 2` in full precision from the same keyed initial noise
    (`diffusion_rl.quantized_exploration`); the rank agreement (Kendall tau) of the pool's and the
    replay's rewards is logged;
-3. the samples are rewarded; the group advantage (`train.advantage`) maps to an optimality
-   r = clip(A, -C, C) / 2C + 1/2 in [0, 1];
-4. each clean sample x0 is noised at `train.timesteps_per_sample` levels t ~ U(0, 1),
-   x_t = (1 - t) x0 + t eps, and the loss (`train.loss`, `mmrl.losses.diffusion_nft`) pulls the implicit
+3. the samples are rewarded; the group advantage (`train.advantage`; by default DiffusionNFT's
+   per-prompt mean over the batch's std) maps to an optimality r = clip(A, -C, C) / 2C + 1/2 in [0, 1];
+4. each clean sample x0 is noised at `train.timesteps_per_sample` levels t, drawn without repeats
+   from the sampler's own noise levels as DiffusionNFT's code does (or t ~ U(0, 1) with
+   `train.noise_levels: uniform`), x_t = (1 - t) x0 + t eps, and the loss (`train.loss`,
+   `mmrl.losses.diffusion_nft`, its policy term scaled by C as in DiffusionNFT's code) pulls the implicit
    positive policy (old + beta (trained - old)) towards x0 with weight r and the implicit negative one
    (old - beta (trained - old)) with weight 1 - r; classifier-free guidance is never used in
    training (a guidance-distilled model, FLUX.1-dev, trains at the embedded guidance it sampled with);
 5. the old policy moves towards the trained one by an EMA whose decay follows
-   `train.old_decay_start / old_decay_rate / old_decay_max`.
+   `train.old_decay_start / old_decay_rate / old_decay_max` in the optimizer steps taken so far,
+   this step's included (DiffusionNFT's schedule: decay 0.001 after the first update).
 
 Every draw is keyed by (seed, step, ...), so a resumed run repeats exactly.
 """
@@ -37,7 +40,7 @@ from diffusion_rl.branch_rollout import TreePlan, rollout_trees
 from diffusion_rl.config import RolloutConfig
 from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly, update_summary
 from diffusion_rl.models import Conditioning
-from diffusion_rl.nft_config import DiffusionNFTConfig, check_nft_size
+from diffusion_rl.nft_config import DiffusionNFTConfig, check_nft_size, noise_levels_per_sample
 from diffusion_rl.quantized_exploration import KeptLeaves, keep_for_replay, rank_agreement
 from diffusion_rl.sampling import save_grid
 from mmrl.losses import nft_optimality
@@ -48,10 +51,10 @@ from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 TRAIN_STREAM = 1 << 32  # streams of the update's noise: above any denoising step index of a rollout
 
 
-def old_policy_decay(step: int, start: int, rate: float, maximum: float) -> float:
-    """The EMA decay of the old policy after `step`: 0 (old = trained) before `start`, then growing by
-    `rate` per step up to `maximum`."""
-    return 0.0 if step < start else min((step - start) * rate, maximum)
+def old_policy_decay(optimizer_steps: int, start: int, rate: float, maximum: float) -> float:
+    """The EMA decay of the old policy once `optimizer_steps` updates have been taken: 0 (old =
+    trained) before `start`, then growing by `rate` per optimizer step up to `maximum`."""
+    return 0.0 if optimizer_steps < start else min((optimizer_steps - start) * rate, maximum)
 
 
 @TRAINERS.register("diffusion_nft")
@@ -91,6 +94,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
             self.pool_plan = TreePlan(steps, [0], pool, [r.solver == "sde"] * steps)
             self.replay_plan = TreePlan(r.steps, [0], pool, [r.solver == "sde"] * r.steps)
         self.old_policy = [p.detach().clone() for p in self.trained_params]
+        self.optimizer_steps = 0  # the old policy's decay schedule counts them
 
     def check_size(self) -> None:
         check_nft_size(
@@ -98,12 +102,16 @@ class DiffusionNFTTrainer(DiffusionTrainer):
         )
 
     def trainer_state(self) -> dict[str, Any]:
-        return super().trainer_state() | {"old_policy": self.old_policy}
+        return super().trainer_state() | {
+            "old_policy": self.old_policy,
+            "optimizer_steps": self.optimizer_steps,
+        }
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         super().load_trainer_state(state)
         for old, saved in zip(self.old_policy, state["old_policy"], strict=True):
             old.copy_(saved)
+        self.optimizer_steps = int(state["optimizer_steps"])
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -152,7 +160,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
             samples = (clean[trained], cond[[i // group for i in trained]], optimality[trained], sample_ids)
             metrics.update(self.optimise(*samples, step))
         decay = old_policy_decay(
-            step, cfg.train.old_decay_start, cfg.train.old_decay_rate, cfg.train.old_decay_max
+            self.optimizer_steps, cfg.train.old_decay_start, cfg.train.old_decay_rate, cfg.train.old_decay_max
         )
         self.update_old_policy(decay)
         metrics.update(
@@ -189,16 +197,34 @@ class DiffusionNFTTrainer(DiffusionTrainer):
     def noised(
         self, clean: torch.Tensor, sample_ids: list[int], step: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x0, t, x_t, rows): every clean sample at `train.timesteps_per_sample` noise levels, the level
-        and the noise keyed by (seed, step, sample id), so a resume draws them again."""
-        seed, per_sample = self.config.seed, self.config.train.timesteps_per_sample
-        keys = [
-            NoiseKey(seed, step, sample, 0, TRAIN_STREAM + 2 * j)
-            for sample in sample_ids
+        """(x0, t, x_t, rows): every clean sample at `noise_levels_per_sample` noise levels, the levels
+        and the noise keyed by (seed, step, sample id), so a resume draws them again. With
+        `train.noise_levels: sampler` a sample's levels are the first of a keyed shuffle of the
+        rollout's `rollout.steps` levels (the sigmas it denoised at, 0 excluded); with `uniform`,
+        t ~ U(0, 1)."""
+        cfg = self.config
+        seed, per_sample = cfg.seed, noise_levels_per_sample(cfg)
+        if cfg.train.noise_levels == "sampler":
+            levels = self.pipe.sigmas(cfg.rollout.steps)[:-1].to(clean.device, torch.float32)
+            draw = [
+                NoiseKey(seed, step, s, 0, TRAIN_STREAM + 2 * j)
+                for s in sample_ids
+                for j in range(len(levels))
+            ]
+            shuffle = keyed_rand_batch((), draw, device=clean.device).view(len(sample_ids), len(levels))
+            t = levels[shuffle.argsort(dim=1, stable=True)[:, :per_sample]].flatten()
+        else:
+            draw = [
+                NoiseKey(seed, step, s, 0, TRAIN_STREAM + 2 * j)
+                for s in sample_ids
+                for j in range(per_sample)
+            ]
+            t = keyed_rand_batch((), draw, device=clean.device)
+        eps_keys = [
+            NoiseKey(seed, step, s, 0, TRAIN_STREAM + 2 * j + 1)
+            for s in sample_ids
             for j in range(per_sample)
         ]
-        t = keyed_rand_batch((), keys, device=clean.device)
-        eps_keys = [NoiseKey(k.seed, k.step, k.prompt, 0, k.stream + 1) for k in keys]
         eps = keyed_randn_batch(self.pipe.latent_shape(), eps_keys, device=clean.device)
         x0 = clean.repeat_interleave(per_sample, dim=0)
         shape = (-1, *([1] * (x0.dim() - 1)))
@@ -263,7 +289,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
                     t[index],
                     optimality[index],
                     beta=cfg.beta,
-                    scale=cfg.loss_scale,
+                    scale=cfg.adv_clip if cfg.loss_scale is None else cfg.loss_scale,
                     reference_velocity=None if reference is None else reference[index],
                     kl_coef=cfg.kl_coef,
                 )
@@ -272,6 +298,7 @@ class DiffusionNFTTrainer(DiffusionTrainer):
                 self.backward(out.loss * len(index) / len(minibatch))
                 stats.append((len(index), out.metrics, float(out.loss.detach())))
             grad_norms.append(float(self.apply_gradients(cfg.max_grad_norm, cfg.nan_patience)))
+            self.optimizer_steps += 1
             self.update_ema()
         return update_summary(stats, grad_norms)
 

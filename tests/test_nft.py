@@ -120,8 +120,12 @@ def test_old_policy_decay_schedule_and_update(model_dir, tmp_path):
     assert old_policy_decay(7, 5, 0.1, 0.5) == pytest.approx(0.2)
     assert old_policy_decay(100, 5, 0.1, 0.5) == 0.5
     trainer = trainer_for(model_dir, tmp_path, "train.lr=1e-3")
-    trainer.train_step(0)  # decay 0: the old policy becomes the trained weights
-    assert all(torch.equal(o, p) for o, p in zip(trainer.old_policy, trainer.trained_params, strict=True))
+    old = [o.clone() for o in trainer.old_policy]
+    metrics = trainer.train_step(0)
+    # after the step's one update the decay is 0.001 (DiffusionNFT reads it after the update)
+    assert trainer.optimizer_steps == 1 and metrics["old_policy_decay"] == pytest.approx(0.001)
+    for o, before, p in zip(trainer.old_policy, old, trainer.trained_params, strict=True):
+        torch.testing.assert_close(o, 0.001 * before + 0.999 * p.detach())
     old = [o.clone() for o in trainer.old_policy]
     with torch.no_grad():
         for p in trainer.trained_params:
@@ -131,17 +135,72 @@ def test_old_policy_decay_schedule_and_update(model_dir, tmp_path):
         torch.testing.assert_close(o, 0.25 * before + 0.75 * p.detach())
 
 
-def test_noised_samples_are_keyed_and_on_the_flow_path(model_dir, tmp_path):
+def test_the_old_policy_decay_counts_optimizer_steps_not_iterations(model_dir, tmp_path):
+    trainer = trainer_for(model_dir, tmp_path, "train.minibatches=2")
+    assert trainer.train_step(0)["old_policy_decay"] == pytest.approx(0.002)
+    assert trainer.train_step(1)["old_policy_decay"] == pytest.approx(0.004)
+    # DiffusionNFT's schedule (decay_type 1) reaches its cap 0.5 at its 500th optimizer step
+    assert old_policy_decay(499, 0, 0.001, 0.5) < 0.5 == old_policy_decay(500, 0, 0.001, 0.5)
+
+
+def test_nft_defaults_are_diffusionnfts():
+    """Each default against DiffusionNFT's train_nft_sd3.py / config (decay_type 1, adv_clip_max 5,
+    the per-prompt stat tracker with global std, timestep_fraction 0.99 of the sampler's steps)."""
+    import numpy as np
+
+    from diffusion_rl.nft_config import DiffusionNFTConfig, noise_levels_per_sample
+    from mmrl.registry import ADVANTAGES
+
+    cfg = DiffusionNFTConfig()
+    t = cfg.train
+    assert (t.adv_clip, t.loss_scale, t.beta) == (5.0, None, 1.0)  # the policy term times adv_clip_max
+    assert (t.old_decay_start, t.old_decay_rate, t.old_decay_max) == (0, 0.001, 0.5)
+    assert t.noise_levels == "sampler" and noise_levels_per_sample(cfg) == 9  # int(10 * 0.99)
+    # the advantage: each prompt's mean, the batch's numpy (population) std + 1e-4
+    rewards = np.array([0.1, 0.5, 0.2, 0.9, 0.9, 0.3], dtype=np.float64)
+    groups = np.array([0, 0, 0, 1, 1, 1])
+    means = np.array([rewards[groups == g].mean() for g in groups])
+    official = (rewards - means) / (np.std(rewards) + 1e-4)
+    ours = ADVANTAGES.get(t.advantage)(torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups))
+    np.testing.assert_allclose(ours.values.numpy(), official, rtol=1e-6)
+
+
+def test_the_policy_term_is_scaled_by_the_advantage_clip_by_default(model_dir, tmp_path):
+    def scale_used(*overrides: str) -> float:
+        trainer = trainer_for(model_dir, tmp_path / "_".join(overrides), *overrides)
+        seen, loss_fn = [], trainer.loss_fn
+
+        def spy(*args, **kwargs):
+            seen.append(kwargs["scale"])
+            return loss_fn(*args, **kwargs)
+
+        trainer.loss_fn = spy
+        trainer.train_step(0)
+        return seen[0]
+
+    assert scale_used() == 5.0  # DiffusionNFT's code: the policy loss times adv_clip_max
+    assert scale_used("train.adv_clip=2.0") == 2.0
+    assert scale_used("train.loss_scale=1.0") == 1.0
+
+
+def test_noised_samples_are_keyed_and_at_the_samplers_levels(model_dir, tmp_path):
     trainer = trainer_for(model_dir, tmp_path, "train.timesteps_per_sample=3")
+    levels = trainer.pipe.sigmas(4)[:-1].tolist()  # rollout.steps = 4: the levels the rollout denoised at
     clean = torch.randn(2, *trainer.pipe.latent_shape())
     x0, t, x_t, rows = trainer.noised(clean, [5, 9], step=4)
     assert x0.shape[0] == t.shape[0] == x_t.shape[0] == 6 and rows.tolist() == [0, 0, 0, 1, 1, 1]
-    assert ((t >= 0) & (t < 1)).all() and len(set(t.tolist())) == 6
+    for sample in (t[:3].tolist(), t[3:].tolist()):  # three of the four levels, none twice
+        assert len(set(sample)) == 3 and all(any(abs(v - level) < 1e-6 for level in levels) for v in sample)
     eps = (x_t - (1 - t.view(-1, 1, 1, 1)) * x0) / t.view(-1, 1, 1, 1)
     assert eps.std() == pytest.approx(1.0, abs=0.2)
     again = trainer.noised(clean[1:], [9], step=4)  # a sample's draws depend on its id, not the batch
     torch.testing.assert_close(again[2], x_t[3:])
     assert not torch.equal(trainer.noised(clean, [5, 9], step=5)[2], x_t)
+    uniform = trainer_for(
+        model_dir, tmp_path / "u", "train.noise_levels=uniform", "train.timesteps_per_sample=3"
+    )
+    t = uniform.noised(clean, [5, 9], step=4)[1]
+    assert ((t >= 0) & (t < 1)).all() and len(set(t.tolist())) == 6
 
 
 def test_several_rewards_are_logged_each(model_dir, tmp_path):
@@ -205,7 +264,8 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
     run(tmp_path / "stopped", 2)
     resumed_rows, resumed = run(tmp_path / "stopped", 4, "resume=true")
     assert resumed_rows == straight_rows
-    assert [row["old_policy_decay"] for row in straight_rows] == pytest.approx([0.0, 0.2, 0.4, 0.5])
+    # two optimizer steps per iteration at 0.2 each, up to 0.5
+    assert [row["old_policy_decay"] for row in straight_rows] == pytest.approx([0.4, 0.5, 0.5, 0.5])
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
@@ -217,6 +277,7 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
         (["train.advantage=mc_grpo", "rollout.group_size=4"], "rollout.group_size"),
         (["rollout.solver=euler"], "rollout.solver"),
         (["train.old_decay_max=1.5"], "train.old_decay_max"),
+        (["train.timesteps_per_sample=5"], "at most 4, or train.noise_levels=uniform"),
         (["rollout.prompts_per_step=10000"], "rollout.prompts_per_step"),
         (["model.path=/nonexistent/model"], "mmrl pretrain diffusion"),
     ],
