@@ -196,6 +196,11 @@ def bench_all(
         raise ConfigError(
             f"config error: output = {output!r} is a directory: give a file path, e.g. {DEFAULT_OUTPUT}"
         )
+    if Path(output).exists():
+        raise ConfigError(
+            f"config error: output = {output!r} exists already (an earlier bench's results?): give another "
+            "output=PATH, or move that file away"
+        )
     selected = [n for n in names if (only is None or n in only) and n not in (skip or [])]
     kwargs = {name: bench_kwargs(registry.get(name), options.get(name, {}), f"{name}.") for name in selected}
 

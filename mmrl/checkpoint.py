@@ -4,17 +4,21 @@ A checkpoint is a folder ``checkpoints/step_XXXXXXXX/`` holding tensor groups as
 ``<group>.safetensors`` (model, optimizer state, RNG states, ...), ``state.json`` with the
 non-tensor state, and ``manifest.json`` listing every file's SHA-256. The folder is written under
 a temporary name and renamed into place, and the manifest is written last, so a killed writer
-leaves either a complete checkpoint or nothing that looks like one. On load, a checkpoint whose
-files do not match its manifest is reported and the previous good one is used.
+leaves either a complete checkpoint or nothing that looks like one; a write that fails (a full disk)
+removes its temporary folder and raises `CheckpointWriteError`, the earlier checkpoints untouched. On
+load, a checkpoint whose files do not match its manifest is reported and the previous good one is used.
 
 Nested state (an optimizer's ``state_dict()``, RNG states, a sampler's state) is split by
-`pack` into a JSON tree, with tensors replaced by references, and a flat tensor dict.
+`pack` into a JSON tree, with tensors replaced by references, and a flat tensor dict. The tree is
+strict JSON: a NaN or infinite float is kept as ``{"__float__": "nan"}``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -29,6 +33,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 STEP_PREFIX = "step_"
+REPLACED_PREFIX = ".replaced-"  # a checkpoint of the same step being replaced by a new write
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (its `errno`: ENOSPC for a full disk); its temporary folder is
+    removed and every checkpoint written before is as it was. `directory` is where it was written."""
+
+    def __init__(self, code: int | None, message: str, directory: Path) -> None:
+        super().__init__(code, message)
+        self.directory = directory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,10 +68,12 @@ def pack(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
         return {"__tuple__": [pack(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
         return [pack(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, np.integer | np.floating):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": str(obj)}
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
-    if isinstance(obj, np.integer | np.floating):
-        return obj.item()
     raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at {path!r}")
 
 
@@ -86,6 +102,8 @@ def unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return {_key(k): unpack(v, tensors) for k, v in obj["__items__"]}
         if "__tuple__" in obj:
             return tuple(unpack(v, tensors) for v in obj["__tuple__"])
+        if "__float__" in obj:
+            return float(obj["__float__"])
         return {k: unpack(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
         return [unpack(v, tensors) for v in obj]
@@ -139,6 +157,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` through a temporary sibling renamed into place, so that a reader, or a run that
+    resumes after a kill, never meets half a file: it finds the old text or the new."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -157,11 +186,39 @@ def save_checkpoint(
     """Write ``step_XXXXXXXX`` atomically: `model` weights plus nested `state`; prune old ones.
 
     Each top-level entry of `state` becomes its own safetensors file (its tensors) and a section
-    of ``state.json`` (the rest).
+    of ``state.json`` (the rest). A write that fails removes its temporary folder and raises
+    `CheckpointWriteError`; the checkpoints written before stay as they were.
     """
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir / f"{STEP_PREFIX}{step:08d}"
     tmp = checkpoint_dir / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        _write_checkpoint_files(tmp, step, state, model)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = write_errno(err)
+        reason = os.strerror(code) if code else f"{type(err).__name__}: {err}"
+        raise CheckpointWriteError(
+            code,
+            f"the checkpoint of step {step} could not be written in {checkpoint_dir} ({reason})",
+            checkpoint_dir,
+        ) from err
+    replaced = checkpoint_dir / f"{REPLACED_PREFIX}{final.name}"
+    if final.exists():  # a re-save of the same step (e.g. after resume) replaces it, never losing it
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    _fsync(checkpoint_dir)
+    shutil.rmtree(replaced, ignore_errors=True)
+    for old in list_checkpoints(checkpoint_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint_files(
+    tmp: Path, step: int, state: dict[str, Any], model: torch.nn.Module | None
+) -> None:
+    """The checkpoint's files, fsynced, into the new folder `tmp`, its manifest last."""
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -177,20 +234,24 @@ def save_checkpoint(
         if tensors:
             save_file(_unshared(tensors), tmp / f"{group}.safetensors")
             files.append(f"{group}.safetensors")
-    (tmp / "state.json").write_text(json.dumps(json_state))
+    (tmp / "state.json").write_text(json.dumps(json_state, allow_nan=False))
     files.append("state.json")
     for name in files:
         _fsync(tmp / name)
     manifest = {"step": step, "files": {name: _sha256(tmp / name) for name in files}}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / "manifest.json")
-    if final.exists():  # a re-save of the same step (e.g. after resume) replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(checkpoint_dir)
-    for old in list_checkpoints(checkpoint_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def write_errno(err: BaseException) -> int | None:
+    """The errno of a failed write: an OSError's own, or the one safetensors names in its message
+    (``IoError(Os { code: 28, ... })``), ENOSPC for a full disk; None when there is none."""
+    if isinstance(err, OSError) and err.errno:
+        return err.errno
+    text = str(err)
+    if "No space left on device" in text or "StorageFull" in text:
+        return errno.ENOSPC
+    return None
 
 
 def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -202,15 +263,24 @@ def list_checkpoints(checkpoint_dir: Path) -> list[Path]:
 
 
 def remove_unfinished_writes(checkpoint_dir: Path) -> list[Path]:
-    """Delete the temporary folders that killed writers left behind; return what was removed.
-    Only one process writes a run's checkpoints, so call this before it starts writing."""
+    """Delete the temporary folders that killed writers left behind, and put back a checkpoint whose
+    re-save was killed before the new one was in place; return what was removed. Only one process
+    writes a run's checkpoints, so call this before it starts writing."""
     if not checkpoint_dir.is_dir():
         return []
-    leftovers = [
-        p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{STEP_PREFIX}")
-    ]
-    for path in leftovers:
+    leftovers = []
+    for path in sorted(checkpoint_dir.iterdir()):
+        if not path.is_dir():
+            continue
+        if path.name.startswith(REPLACED_PREFIX):  # killed while a re-save replaced it
+            target = checkpoint_dir / path.name.removeprefix(REPLACED_PREFIX)
+            if not target.exists():
+                os.replace(path, target)  # the new write did not land: the old one is the checkpoint
+                continue
+        elif not path.name.startswith(f".tmp-{STEP_PREFIX}"):
+            continue
         shutil.rmtree(path, ignore_errors=True)
+        leftovers.append(path)
     return leftovers
 
 

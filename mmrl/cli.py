@@ -35,7 +35,8 @@ from mmrl.config import (
 )
 from mmrl.memory_plan import LaunchConfig
 from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, REPLICAS, TRAINERS, UnknownNameError
-from mmrl.trainer import TrainingStopped
+from mmrl.runlog import strict_json
+from mmrl.trainer import TrainingInterrupted, TrainingStopped, finite_or_named
 
 BUILTIN_MODULES = (
     "mmrl.advantages",
@@ -76,6 +77,16 @@ def load_user_plugins(specs: Iterable[str], origin: str) -> None:
             import_plugin(spec)
         except ConfigError:
             raise
+        except (SystemExit, KeyboardInterrupt) as err:  # would end mmrl having done nothing
+            what = (
+                f"called sys.exit({err.code!r})"
+                if isinstance(err, SystemExit)
+                else "was interrupted (KeyboardInterrupt)"
+            )
+            raise ConfigError(
+                f"plugin {spec!r} ({origin}) {what} while it was imported: a plugin module only registers "
+                'entries; put code that runs it under `if __name__ == "__main__":`'
+            ) from None
         except Exception as err:  # the user's code may raise anything: one line, naming the plugin
             reason = " ".join(f"{type(err).__name__}: {err}".split())
             hint = ""
@@ -325,14 +336,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
-        print(f"error: run stopped: {err} (see stopped.json in the run directory)", file=sys.stderr)
+        see = " (see stopped.json in the run directory)" if err.recorded else ""
+        print(f"error: run stopped: {err}{see}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as err:
+        see = " (see stopped.json in the run directory)" if err.recorded else ""
+        print(f"error: run stopped: {err}{see}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["resume=true"] if args.resume else [])
     config = load_checked_config(args.config, overrides)
     processes, launch_file = getattr(args, "processes", None), getattr(args, "launch", None)
+    if processes is not None and processes < 1:
+        raise ConfigError(f"--processes {processes}: give a number of processes of at least 1")
     if getattr(args, "dry_run", False):
         launch = None
         if launch_file is not None:
@@ -345,9 +366,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f"--processes {processes} but {launch_file} launches {launch.processes}: give one of them"
                 )
             processes = launch.processes
-        processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
-        if processes < 1:
-            raise ConfigError(f"--processes {processes}: give a number of processes of at least 1")
+        if processes is None:
+            processes = int(os.environ.get("WORLD_SIZE", "1"))
         plan = TRAINERS.get(config.trainer).memory_plan(config, args.config, processes)
         if launch is not None:
             try:
@@ -362,7 +382,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     accelerator, is_main = trainer.accelerator, trainer.is_main
     try:
         result = trainer.train()
+    except BaseException as err:  # what a trainer does after the shared loop (saving its model) too
+        stopped = trainer.stopped_by(err)
+        if stopped is err:
+            raise
+        raise stopped from err
     finally:
+        trainer.release_run_dir()
         # Tear the process group down before the interpreter exits: gloo threads still running at exit
         # can abort a rank ("terminate called without an active exception") after a good run. The DDP
         # wrapper's reducer holds the group, so free the trainer first: otherwise the group outlives
@@ -373,7 +399,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         gc.collect()
         accelerator.end_training()
     if is_main:
-        print(json.dumps(result))
+        print(json.dumps(strict_json(result), allow_nan=False))
     return 0
 
 
@@ -395,7 +421,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
         EVALUATORS.get(args.config)(list(args.overrides))
         return 0
     config = load_checked_config(args.config, list(args.overrides))
-    print(json.dumps(TRAINERS.get(config.trainer)(config).evaluate_checkpoint()))
+    saved = Path(config.output_dir) / "config.yaml"
+    if saved.is_file():  # a run directory: its own config, the command line's overrides on top
+        try:
+            run = load_checked_config(str(saved), list(args.overrides))
+        except ConfigError as err:
+            raise ConfigError(f"{saved} (the run's config): {err}") from None
+        if run.trainer != config.trainer:
+            raise ConfigError(
+                f"{args.config!r} names trainer {config.trainer!r}, but the run in {config.output_dir!r} was "
+                f"trained by {run.trainer!r} (its config.yaml): evaluate it with `mmrl eval {saved}`"
+            )
+        run.output_dir = config.output_dir
+        config = run
+    metrics = TRAINERS.get(config.trainer)(config).evaluate_checkpoint()
+    finite_or_named(metrics, f"the evaluation of {config.output_dir}", "the JSON printed")
+    print(json.dumps(strict_json(metrics), allow_nan=False))
     return 0
 
 
@@ -406,6 +447,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
+    """Save a replica once its options are checked (a device this machine has, a seed torch takes, an
+    output directory that can be made and is empty); the saver checks that what it builds fits."""
+    from mmrl.config import check_device, check_output_dir
+
     save = REPLICAS.get(args.name)
     options = apply_overrides({}, list(args.overrides))
     unknown = sorted(set(options) - {"output_dir", "seed", "full", "weights", "device"})
@@ -416,12 +461,16 @@ def cmd_replica(args: argparse.Namespace) -> int:
         )
     seed, full = options.get("seed", 0), options.get("full", False)
     weights, device = options.get("weights", not full), str(options.get("device", "cpu"))
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ConfigError(f"mmrl replica: seed = {seed!r} must be an integer")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise ConfigError(
+            f"mmrl replica: seed = {seed!r} must be an integer from 0 to {2**64 - 1} (what torch.manual_seed "
+            "takes)"
+        )
     for key, value in (("full", full), ("weights", weights)):
         if not isinstance(value, bool):
             raise ConfigError(f"mmrl replica: {key} = {value!r} must be true or false")
-    output_dir = Path(str(options.get("output_dir", f"runs/replicas/{args.name}")))
+    device = check_device(device, "device")
+    output_dir = check_output_dir(str(options.get("output_dir", f"runs/replicas/{args.name}")), "output_dir")
     if output_dir.exists() and any(output_dir.iterdir()):
         raise ConfigError(
             f"mmrl replica: output_dir {str(output_dir)!r} is not empty: give another output_dir="

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from mmrl.checkpoint import replace_text
 from mmrl.registry import ALL_REGISTRIES, TRAINERS, UnknownNameError
 
 C = TypeVar("C", bound="BaseConfig")
@@ -394,7 +395,8 @@ def _plain(value: Any) -> Any:
 
 
 def save_config(config: BaseConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """Write `config` as YAML to `path`, whole or not at all (`replace_text`)."""
+    replace_text(path, yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
 # ---------------------------------------------------------------------------------------------

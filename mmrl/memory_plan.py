@@ -382,20 +382,37 @@ class LaunchConfig:
             raise ValueError(f"{path}: num_processes = {processes!r}; give a whole number of at least 1")
         fsdp = data.get("distributed_type") == "FSDP"
         options = data.get("fsdp_config") or {}
+        if not isinstance(options, dict):
+            raise ValueError(
+                f"{path}: fsdp_config = {options!r} must be a section (a mapping of fsdp_* keys)"
+            )
         wrap = options.get("fsdp_transformer_layer_cls_to_wrap") or ()
-        wrap = tuple(part.strip() for part in wrap.split(",")) if isinstance(wrap, str) else tuple(wrap)
+        if isinstance(wrap, str):
+            wrap = tuple(part.strip() for part in wrap.split(","))
+        elif not isinstance(wrap, list | tuple) or not all(isinstance(name, str) for name in wrap):
+            raise ValueError(
+                f"{path}: fsdp_config.fsdp_transformer_layer_cls_to_wrap = {wrap!r} must name the block "
+                "classes FSDP wraps: a class name, names separated by commas, or a list of names (e.g. "
+                "JointTransformerBlock)"
+            )
         if fsdp and not wrap:
             raise ValueError(
                 f"{path}: FSDP without fsdp_transformer_layer_cls_to_wrap; name the blocks to shard by"
             )
         strategy = str(options.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
         reshard = options.get("fsdp_reshard_after_forward", strategy not in ("SHARD_GRAD_OP", "2"))
+        if isinstance(reshard, str):  # FSDP1 configs name the sharding strategy here
+            reshard = reshard.upper() not in ("SHARD_GRAD_OP", "2")
+        offload = options.get("fsdp_offload_params", False)
+        for name, value in (("fsdp_reshard_after_forward", reshard), ("fsdp_offload_params", offload)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}: fsdp_config.{name} = {value!r} must be true or false")
         return cls(
             processes=processes,
             fsdp=fsdp,
-            wrap_classes=wrap,
-            reshard_after_forward=bool(reshard),
-            offload_params=bool(options.get("fsdp_offload_params", False)),
+            wrap_classes=tuple(wrap),
+            reshard_after_forward=reshard,
+            offload_params=offload,
             mixed_precision=str(data.get("mixed_precision", "no")),
         )
 

@@ -1,28 +1,82 @@
-"""The run directory's metric log: one JSON object per step in ``metrics.jsonl``, optional TensorBoard."""
+"""The run directory's records: one JSON object per step in ``metrics.jsonl``, optional TensorBoard,
+``launches.jsonl``, strict JSON files (`write_json`) and the lock that keeps one run per directory
+(`lock_run_dir`)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import platform
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import numpy as np
 import torch
 
 from mmrl import __version__
+from mmrl.checkpoint import replace_text
+from mmrl.config import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 LAUNCHES_FILE = "launches.jsonl"
+LOCK_FILE = ".lock"
 
 
 def _plain_number(value: Any) -> Any:
+    """A metric as JSON data: tensors as their mean, NaN and infinities as the strings "nan", "inf" and
+    "-inf" (JSON has neither; the string keeps them visible instead of dropping them), nested values
+    alike, numpy scalars as numbers."""
     if isinstance(value, torch.Tensor):
         value = value.detach().float().mean().item() if value.numel() else float("nan")
+    value = _plain_data(value)
+    if isinstance(value, dict):
+        return {str(k): _plain_number(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_number(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible instead of dropping them
+        return str(value)
     return value
+
+
+def _plain_data(value: Any) -> Any:
+    """A numpy value or a tensor as Python numbers (one, or nested lists); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    return value
+
+
+def strict_json(value: Any, non_finite: dict[str, str] | None = None, key: str = "") -> Any:
+    """`value` as strict JSON data: each NaN or infinity (which Python's json writes as a bare ``NaN``
+    or ``Infinity`` that other readers reject) becomes null, with its dotted key and what it was added
+    to `non_finite`; tuples become lists, numpy values and tensors numbers or lists of them."""
+    value = _plain_data(value)
+    if isinstance(value, dict):
+        return {str(k): strict_json(v, non_finite, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v, non_finite, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        if non_finite is not None:
+            non_finite[key] = str(value)
+        return None
+    return value
+
+
+def write_json(path: Path, value: Any, indent: int | None = 1) -> dict[str, str]:
+    """Write `value` to `path` as strict JSON (see `strict_json`) through a temporary sibling renamed
+    into place, so that a reader never meets half a file; return the keys whose numbers were not
+    finite (written as null) with what they were."""
+    non_finite: dict[str, str] = {}
+    replace_text(path, json.dumps(strict_json(value, non_finite), indent=indent, allow_nan=False))
+    return non_finite
 
 
 class MetricsLog:
@@ -43,9 +97,9 @@ class MetricsLog:
             self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _plain_number(v) for k, v in metrics.items()}}
+        row = {"step": step, **{str(k): _plain_number(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float):
@@ -79,7 +133,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [row for row in read_metrics(path.parent) if row.get("step", 0) <= step]
-    path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    replace_text(path, "".join(json.dumps(_plain_number(row), allow_nan=False) + "\n" for row in kept))
 
 
 def record_launch(run_dir: Path, from_step: int, device: torch.device, processes: int) -> None:
@@ -97,9 +151,101 @@ def record_launch(run_dir: Path, from_step: int, device: torch.device, processes
         "python": platform.python_version(),
     }
     with (run_dir / LAUNCHES_FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 def read_launches(run_dir: Path) -> list[dict[str, Any]]:
     """The launches recorded in a run directory, oldest first ([] for runs made before the file)."""
     return [row for row in read_jsonl(run_dir / LAUNCHES_FILE) if isinstance(row, dict)]
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per directory
+
+
+@dataclass
+class _HeldLock:
+    """A run directory's lock this process holds: the open lock file, and how many trainers use it."""
+
+    file: IO[str]
+    holders: int = 0
+
+
+_HELD: dict[Path, _HeldLock] = {}  # by resolved run directory
+
+
+def lock_holder(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s lock, as its lock file names them ("process 1234 on host h, since ..."), or
+    None when no other process does. Reads only: nothing is written, a missing file is not made."""
+    if run_dir.resolve() in _HELD:
+        return None
+    try:
+        file = (run_dir / LOCK_FILE).open()
+    except OSError:  # none yet (or unreadable: taking the lock says why)
+        return None
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _describe_holder(file.read())
+    return None
+
+
+def lock_run_dir(run_dir: Path) -> Callable[[], None]:
+    """Take `run_dir`'s lock (an advisory ``flock`` on ``run_dir/.lock``, made with the directory if
+    missing) and return the function that releases it. The operating system releases it when the
+    process exits or is killed, so a dead run never leaves a stale lock. A directory this process
+    holds already is shared (several trainers of one process); one another process holds is a
+    ConfigError naming it."""
+    key = run_dir.resolve()
+    if key not in _HELD:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file = os.fdopen(os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644), "r+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(file.read())
+            file.close()
+            raise ConfigError(_locked_message(run_dir, holder)) from None
+        file.truncate(0)
+        started = datetime.now(UTC).isoformat(timespec="seconds")
+        file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": started}))
+        file.flush()
+        _HELD[key] = _HeldLock(file)
+    held = _HELD[key]
+    held.holders += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        held.holders -= 1
+        if held.holders == 0:
+            del _HELD[key]
+            held.file.close()  # closing the descriptor releases the lock
+
+    return release
+
+
+def check_unlocked(run_dir: Path) -> None:
+    """A ConfigError naming the process that holds `run_dir`'s lock, if another one does."""
+    holder = lock_holder(run_dir)
+    if holder is not None:
+        raise ConfigError(_locked_message(run_dir, holder))
+
+
+def _locked_message(run_dir: Path, holder: str) -> str:
+    return (
+        f"run directory {str(run_dir)!r} is in use by another run ({holder}): wait for it to end or stop "
+        "it, or choose another output_dir=..."
+    )
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        record = json.loads(text)
+        return f"process {int(record['pid'])} on host {record['host']}, since {record['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not named itself yet"

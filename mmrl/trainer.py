@@ -9,13 +9,16 @@ at any point and resumed ends with the same parameters as one that never stopped
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import math
 import os
 import random
 import sys
+import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
@@ -37,16 +40,38 @@ from mmrl.checkpoint import (
     save_checkpoint,
     set_aside,
     set_rng_state,
+    write_errno,
 )
-from mmrl.config import BaseConfig, ConfigError, check_output_dir, save_config, to_dict
+from mmrl.config import BaseConfig, ConfigError, check_output_dir, read_yaml, save_config, to_dict
 from mmrl.memory_plan import MemoryPlan
-from mmrl.runlog import MetricsLog, record_launch
+from mmrl.runlog import MetricsLog, check_unlocked, lock_run_dir, record_launch, strict_json, write_json
 from mmrl.watch import CollectiveWatch
+
+STOPPED_FILE = "stopped.json"
 
 
 class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. NaN losses in a row, NaN weights, reward server down). The trainer
-    records the reason and the checkpoint to resume from in ``stopped.json``; the message says both."""
+    """The run cannot go on (e.g. NaN losses in a row, NaN weights, reward server down, an exception
+    in a step). The trainer records the reason and the checkpoint to resume from in ``stopped.json``;
+    the message says both. `recorded` is False when stopped.json could not be written."""
+
+    def __init__(self, message: str, recorded: bool = True) -> None:
+        super().__init__(message)
+        self.recorded = recorded
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) ended a started run: ``stopped.json`` records the step and the checkpoint to
+    resume from, and the message says both. Still a KeyboardInterrupt, for code that catches one."""
+
+    def __init__(self, message: str, recorded: bool = True) -> None:
+        super().__init__(message)
+        self.recorded = recorded
+
+
+class UpdateFailed(RuntimeError):
+    """The optimizer step raised part way (e.g. a learning rate so large that Adam's step size overflows
+    float32): some weights may be updated and others not, so the run stops without checkpointing them."""
 
 
 class StepSkipped(Exception):
@@ -104,6 +129,11 @@ class Trainer:
         self.skipped_steps = 0
         self.resume_from: Checkpoint | None = None  # found by `prepare_run_dir`, loaded by `restore`
         self.corrupt_checkpoints: list[Path] = []  # found by `prepare_run_dir`, set aside by `start_run_dir`
+        self.run_started = False  # whether `start_run_dir` has written the run directory
+        self.doing = "before the first step"  # what the run is doing, for the message if it stops
+        self.step_number = 0  # the step the run is in (1-based; `steps` once training is done)
+        self.stop_recorded = False  # whether stopped.json records why this launch stopped
+        self.lock: weakref.finalize | None = None  # releases the lock `start_run_dir` took, when called
         self.watch = CollectiveWatch(
             config.collective_warn_seconds, self.accelerator.process_index, self.accelerator.num_processes
         )
@@ -204,7 +234,14 @@ class Trainer:
             if not self.all_finite(torch.as_tensor(grad_norm)):
                 self.skip_step(f"non-finite {what}gradient", patience, optimizer)
             self.nan_streak = 0
-        (optimizer or self.optimizer).step()
+        try:
+            (optimizer or self.optimizer).step()
+        except RuntimeError as err:
+            reason = " ".join(str(err).split())
+            raise UpdateFailed(
+                f"the optimizer step failed part way (RuntimeError: {reason}), so the weights may be partly "
+                "updated (a learning rate too large for float32 does this)"
+            ) from err
         return grad_norm
 
     @property
@@ -221,11 +258,24 @@ class Trainer:
     def prepare_run_dir(self) -> None:
         """Check the run directory and the checkpoint to resume from before any work: a mistake
         fails here, in one line, instead of after training steps. Nothing is written (the directory
-        is not even made): `start_run_dir` writes once `setup` has checked the rest."""
+        is not even made): `start_run_dir` writes once `setup` has checked the rest. A directory
+        another run holds (its lock) is refused, and so is a resume of a run of another trainer."""
         check_output_dir(self.config.output_dir, "output_dir")
+        if self.is_main:
+            check_unlocked(self.run_dir)
         for folder in (self.checkpoint_dir, self.samples_dir):
             if folder.exists():
                 check_output_dir(folder, f"output_dir (its {folder.name}/ folder)")
+        saved = self.run_dir / "config.yaml"
+        if self.config.resume and saved.is_file():
+            trainer = read_yaml(saved).get("trainer")
+            if trainer != self.config.trainer:
+                raise ConfigError(
+                    f"resume=true: the run in {str(self.run_dir)!r} was trained by {trainer!r} (its "
+                    f"config.yaml) and this config names trainer {self.config.trainer!r}: a run continues "
+                    f"with its own trainer; resume it with `mmrl train {saved} --resume`, or choose a new "
+                    "output_dir=..."
+                )
         has_checkpoints = bool(list_checkpoints(self.checkpoint_dir))
         if has_checkpoints and not self.config.resume:
             raise ConfigError(
@@ -236,11 +286,15 @@ class Trainer:
             self.resume_from = self.find_resume_checkpoint()
 
     def start_run_dir(self) -> None:
-        """Make the run directory, clean up after killed checkpoint writes, set aside the corrupt
-        checkpoints `prepare_run_dir` found and record the config (after `setup`, whose own checks of
-        models, data and sizes must also pass before anything is written)."""
+        """Make the run directory and take its lock (the main process holds it until the trainer is
+        done: `release_run_dir`), clean up after killed checkpoint writes, set aside the corrupt
+        checkpoints `prepare_run_dir` found and record the config (after `setup` and `restore`, whose
+        own checks of models, data, sizes and the checkpoint must also pass before anything is
+        written)."""
         self.accelerator.wait_for_everyone()  # every rank has read the checkpoints before any is moved
         if self.is_main:
+            if self.lock is None:
+                self.lock = weakref.finalize(self, lock_run_dir(self.run_dir))
             removed = remove_unfinished_writes(self.checkpoint_dir)
             if removed:
                 print(f"removed {len(removed)} unfinished checkpoint write(s) in {self.checkpoint_dir}")
@@ -251,8 +305,15 @@ class Trainer:
             if self.config.resume and saved.is_file():
                 warn_config_changes(saved, self.config)
             save_config(self.config, saved)
+        self.run_started = True
         with self.watch.phase("the barrier after preparing the run directory"):
             self.accelerator.wait_for_everyone()
+
+    def release_run_dir(self) -> None:
+        """Release the run directory's lock (`start_run_dir` took it); the trainer's end releases it too,
+        and so does the end of the process, however it ends."""
+        if self.lock is not None:
+            self.lock()
 
     def find_resume_checkpoint(self) -> Checkpoint | None:
         """The newest good checkpoint, checked against this launch; None to start at step 0.
@@ -294,6 +355,7 @@ class Trainer:
         Non-finite weights are never written: the run stops and the previous checkpoint stays."""
         if not self.weights_finite():
             raise TrainingStopped(self.stop_without_saving(step, "the model's weights are not finite"))
+        doing, self.doing = self.doing, f"while writing the checkpoint of step {step} of {self.config.steps}"
         with self.watch.phase(f"the checkpoint of step {step}"):
             rngs = gather_object([rng_state()])
         if self.is_main:
@@ -314,22 +376,49 @@ class Trainer:
             )
         with self.watch.phase(f"the barrier after the checkpoint of step {step}"):
             self.accelerator.wait_for_everyone()
+        self.doing = doing
 
     def restore(self) -> int:
-        """Load the checkpoint `prepare_run_dir` chose; return the step to continue from (0 if none)."""
+        """Load the checkpoint `prepare_run_dir` chose into the model, optimizer, LR schedule and
+        trainer state; return the step to continue from (0 if none). It runs before `start_run_dir`
+        writes anything, so a checkpoint this config cannot continue (another model, a sampler over
+        other data) is refused in one line that names the keys changed since the run started; the
+        RNGs are set after (`restore_rngs`)."""
         checkpoint = self.resume_from
         if checkpoint is None:
             return 0
         self.load_weights(checkpoint)
-        self.optimizer.load_state_dict(checkpoint.state["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(checkpoint.state["scheduler"])
-        self.load_trainer_state(checkpoint.state["trainer"])
+        try:
+            self.optimizer.load_state_dict(checkpoint.state["optimizer"])
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(checkpoint.state["scheduler"])
+            self.load_trainer_state(checkpoint.state["trainer"])
+        except Exception as err:  # a trainer's own state loader may raise anything on another layout
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            saved = self.run_dir / "config.yaml"
+            changed = config_changes(saved, self.config) if saved.is_file() else []
+            fix = (
+                f"keys changed since the run started: {', '.join(changed)}; resume with the run's own "
+                f"config, `mmrl train {saved} --resume`, or choose a new output_dir=..."
+                if changed
+                else "no key changed since the run started (was it written by another version of the "
+                "trainer?): choose a new output_dir=..."
+            )
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} cannot be continued with this config ({reason}); {fix}"
+            ) from None
         skipped = checkpoint.state.get("skipped", {"steps": 0, "streak": 0})
         self.skipped_steps, self.nan_streak = int(skipped["steps"]), int(skipped["streak"])
+        return checkpoint.step
+
+    def restore_rngs(self) -> None:
+        """Set this process's RNGs from the checkpoint `restore` loaded: after `start_run_dir`, so that
+        what a trainer's `start_run_dir` draws does not shift the streams the steps continue."""
+        checkpoint = self.resume_from
+        if checkpoint is None:
+            return
         set_rng_state(checkpoint.state["rng"][str(self.accelerator.process_index)])
         self.warn_other_thread_count(checkpoint)
-        return checkpoint.step
 
     def warn_other_thread_count(self, checkpoint: Checkpoint) -> None:
         """A CPU run continued with another number of torch threads rounds its sums in another order, so
@@ -354,7 +443,10 @@ class Trainer:
             ) from None
 
     def train(self) -> dict[str, Any]:
-        """Run (or resume) training to `config.steps`; return the final evaluation."""
+        """Run (or resume) training to `config.steps`; return the final evaluation. Whatever can be
+        checked is checked before the first write (`prepare_run_dir`, `setup`, `restore`); once the
+        run directory is written, whatever ends the run early is recorded in stopped.json
+        (`stopped_by`)."""
         written_for, processes = self.config.processes, self.accelerator.num_processes
         if written_for is not None and written_for != processes and self.is_main:
             print(
@@ -366,12 +458,26 @@ class Trainer:
         self.prepare_run_dir()
         self.seed_everything()
         self.setup()
+        start = self.restore()
         self.start_run_dir()
-        start = self.restore() if self.config.resume else 0
+        try:
+            return self.train_steps(start)
+        except BaseException as err:
+            stopped = self.stopped_by(err)
+            if stopped is err:
+                raise
+            raise stopped from err
+
+    def train_steps(self, start: int) -> dict[str, Any]:
+        """The run in its started directory: the held-out evaluation before (at step 0), the steps from
+        `start` with their checkpoints, the evaluation after; return the latter."""
+        self.restore_rngs()
+        self.step_number = start
         log = MetricsLog(self.run_dir, self.config.tensorboard, resume_step=start) if self.is_main else None
         if self.is_main:
             record_launch(self.run_dir, start, self.accelerator.device, self.accelerator.num_processes)
         if start == 0:
+            self.doing = "in the held-out evaluation before training"
             before = self.evaluate()
             self.write_eval("before", before)
         steps = range(start, self.config.steps)
@@ -384,10 +490,13 @@ class Trainer:
             dynamic_ncols=True,
         )
         for step in bar:
+            self.step_number, self.doing = step + 1, f"in step {step + 1} of {self.config.steps}"
             try:
                 metrics = self.train_step(step)
             except StepSkipped as skipped:
                 metrics = skipped.metrics
+            except UpdateFailed as failed:
+                raise TrainingStopped(self.stop_without_saving(step + 1, str(failed))) from None
             except TrainingStopped as stop:
                 raise TrainingStopped(self.stop(step, str(stop))) from None
             if not self.weights_finite():
@@ -396,6 +505,7 @@ class Trainer:
                 )
             every = self.config.eval_every
             if every and (step + 1) % every == 0 and step + 1 < self.config.steps:
+                self.doing = f"in the held-out evaluation after step {step + 1} of {self.config.steps}"
                 metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
             if log is not None:
                 log.log(step + 1, metrics)
@@ -404,10 +514,12 @@ class Trainer:
             if (step + 1) % self.config.checkpoint_every == 0 or step + 1 == self.config.steps:
                 self.save(step + 1)
         bar.close()
+        self.doing = "in the held-out evaluation after training"
         after = self.evaluate()
         self.write_eval("after", after)
         if log is not None:
             log.close()
+        self.doing = "after training, while saving its results"
         return after
 
     def all_finite(self, *tensors: torch.Tensor) -> bool:
@@ -466,19 +578,80 @@ class Trainer:
         kept = list_checkpoints(self.checkpoint_dir)
         checkpoint = kept[-1] if kept else None
         self.record_stop(step, reason, checkpoint)
-        where = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+        where = f"the last good checkpoint is {checkpoint}" if checkpoint else "and none was written before"
         return (
-            f"{reason} (step {step}); no checkpoint of them is written, {where}: lower train.lr, check "
-            "the rewards and the config, then resume=true"
+            f"{reason} (step {step}); no checkpoint of these weights is written, {where}: lower train.lr, "
+            "check the rewards and the config, then resume=true"
         )
 
-    def record_stop(self, step: int, reason: str, checkpoint: Path | None) -> None:
-        if self.is_main:
-            record = {"step": step, "reason": reason, "checkpoint": str(checkpoint) if checkpoint else None}
-            (self.run_dir / "stopped.json").write_text(json.dumps(record, indent=1))
+    def record_stop(
+        self, step: int, reason: str, checkpoint: Path | None, error: BaseException | None = None
+    ) -> bool:
+        """Write ``stopped.json``: the step, the reason, the checkpoint to resume from and, for an
+        exception, its type, message and traceback (for a bug report). Return whether it was written
+        (a full disk may refuse it too)."""
+        self.stop_recorded = True
+        if not self.is_main:
+            return True
+        record: dict[str, Any] = {
+            "step": step,
+            "reason": reason,
+            "checkpoint": str(checkpoint) if checkpoint else None,
+        }
+        if error is not None:
+            record["error"] = {"type": type(error).__name__, "message": str(error)}
+            record["traceback"] = "".join(traceback.format_exception(error))
+        try:
+            write_json(self.run_dir / STOPPED_FILE, record)
+        except OSError:
+            return False
+        return True
+
+    def stopped_by(self, err: BaseException) -> BaseException:
+        """What an exception that ends a started run becomes, once stopped.json records it with the
+        step, the newest checkpoint and the traceback: Ctrl-C a `TrainingInterrupted`, anything else (a
+        full disk, an exception in a step, a reward, an environment) a `TrainingStopped` whose message
+        says what happened, where, and what to resume from. A ConfigError is recorded and stays one;
+        an exception before the run started, or once a stop is recorded, is returned as it is."""
+        if not self.run_started or self.stop_recorded:
+            return err
+        kept = list_checkpoints(self.checkpoint_dir)
+        checkpoint = kept[-1] if kept else None
+        resume = (
+            f"the newest checkpoint is {checkpoint}: continue with --resume"
+            if checkpoint is not None
+            else "no checkpoint is written yet: the run starts again from step 0"
+        )
+        if isinstance(err, KeyboardInterrupt):
+            reason = f"interrupted (Ctrl-C) {self.doing}"
+        elif isinstance(err, ConfigError | TrainingStopped):
+            reason = str(err)
+        elif write_errno(err) == errno.ENOSPC:
+            written = getattr(err, "directory", None) or (
+                Path(err.filename).parent if getattr(err, "filename", None) else self.run_dir
+            )
+            reason = f"no space left on device (ENOSPC) in {written}, {self.doing}"
+            resume = f"free space there (or move the run to a larger disk), then continue; {resume}"
+        else:
+            message = " ".join(str(err).split())
+            reason = f"{type(err).__name__}{': ' + message if message else ''} {self.doing}"
+            resume = f"fix the cause (the traceback is in {STOPPED_FILE}), then continue; {resume}"
+        recorded = self.record_stop(self.step_number, reason, checkpoint, err)
+        if isinstance(err, ConfigError):
+            return err
+        if not recorded:
+            resume += f"; {STOPPED_FILE} could not be written either"
+        stopped_class = TrainingInterrupted if isinstance(err, KeyboardInterrupt) else TrainingStopped
+        return stopped_class(f"{reason}; {resume}", recorded)
 
     def evaluate_checkpoint(self) -> dict[str, Any]:
-        """Held-out metrics of the newest good checkpoint in the run directory (`mmrl eval`)."""
+        """Held-out metrics of the newest good checkpoint in the run directory (`mmrl eval`). It only
+        reads: a run in progress (holding the directory's lock) can be evaluated."""
+        if not self.run_dir.is_dir():
+            raise ConfigError(
+                f"run directory {str(self.run_dir)!r} (output_dir) does not exist, so there is no checkpoint "
+                "to evaluate: give output_dir=... of a run, or train the recipe first"
+            )
         try:
             checkpoint = load_latest_checkpoint(self.checkpoint_dir)
         except NoUsableCheckpoint as err:
@@ -494,14 +667,17 @@ class Trainer:
         self.load_trainer_state(checkpoint.state["trainer"])
         return {"step": checkpoint.step, **self.evaluate()}
 
-    def write_eval(self, key: str, metrics: dict[str, float]) -> None:
-        """Record held-out metrics under ``eval.json[key]`` (``before`` and ``after`` training)."""
+    def write_eval(self, key: str, metrics: dict[str, Any]) -> None:
+        """Record held-out metrics under ``eval.json[key]`` (``before`` and ``after`` training), as strict
+        JSON: a metric that is NaN or infinite is written as null, named in ``eval.json[key]
+        ["non_finite"]`` and in a warning."""
         if not self.is_main:
             return
         path = self.run_dir / "eval.json"
         results = json.loads(path.read_text()) if path.is_file() else {}
-        results[key] = metrics
-        path.write_text(json.dumps(results, indent=1))
+        non_finite = finite_or_named(metrics, f"the held-out evaluation {key!r}", "eval.json")
+        results[key] = {**metrics, "non_finite": non_finite} if non_finite else metrics
+        write_json(path, results)
 
 
 def warmup_cosine(step: int, warmup: int, total: int) -> float:
@@ -512,17 +688,31 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def warn_config_changes(saved_path: Path, config: BaseConfig) -> None:
-    """Resuming with a different config is allowed (e.g. more steps) but should not be silent."""
+def finite_or_named(metrics: dict[str, Any], what: str, where: str) -> list[str]:
+    """The keys of `metrics` (dotted for nested ones) whose numbers are NaN or infinite, after a warning
+    line that names them: `where` (a JSON file, stdout) holds them as null, JSON having neither."""
+    found: dict[str, str] = {}
+    strict_json(metrics, found)
+    if found:
+        listed = ", ".join(f"{key} = {value}" for key, value in found.items())
+        print(
+            f"warning: {what} has non-finite values ({listed}): written as null in {where}", file=sys.stderr
+        )
+    return list(found)
+
+
+def config_changes(saved_path: Path, config: BaseConfig) -> list[str]:
+    """The dotted keys (but ``resume``) whose values in `config` differ from the saved config.yaml."""
     import yaml
 
-    saved = yaml.safe_load(saved_path.read_text()) or {}
-    now = to_dict(config)
-    changed = sorted(
-        k
-        for k in _flatten(now).keys() | _flatten(saved).keys()
-        if k != "resume" and _flatten(now).get(k) != _flatten(saved).get(k)
-    )
+    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    now = _flatten(to_dict(config))
+    return sorted(k for k in now.keys() | saved.keys() if k != "resume" and now.get(k) != saved.get(k))
+
+
+def warn_config_changes(saved_path: Path, config: BaseConfig) -> None:
+    """Resuming with a different config is allowed (e.g. more steps) but should not be silent."""
+    changed = config_changes(saved_path, config)
     if changed:
         warnings.warn(f"resuming with config changes in: {', '.join(changed)}", stacklevel=2)
 

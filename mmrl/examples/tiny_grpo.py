@@ -15,12 +15,14 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.advantages import check_group_size
+from mmrl.checkpoint import replace_text
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.examples.digits import (
     DIGITS,
@@ -36,6 +38,7 @@ from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
+from mmrl.runlog import read_jsonl
 from mmrl.samplers import build_sampler
 from mmrl.tree import RolloutTree, fused_node_advantages
 
@@ -207,6 +210,16 @@ def leaf_answers(tree: RolloutTree) -> tuple[list[int], torch.Tensor]:
     return leaves, torch.tensor([tree.nodes[n].state["tokens"] for n in leaves], dtype=torch.long)
 
 
+def drop_rows_from(path: Path, step: int) -> None:
+    """Remove the rows of `step` and later (and a row cut short) from the JSON-lines file `path`: what
+    a launch killed past its last checkpoint wrote, which the launch continuing from `step` writes
+    again. The file is replaced in one rename, so a kill leaves it whole."""
+    if not path.is_file():
+        return
+    kept = [row for row in read_jsonl(path) if row["step"] < step]
+    replace_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 
@@ -228,6 +241,7 @@ class TinyGRPOTrainer(DigitReversalTrainer):
             lr_factor=lambda i: min(1.0, (i + 1) / (warmup + 1)),
         )
         self.policy_loss = LOSSES.get(cfg.train.loss)
+        self.samples_from: int | None = None  # the step of this launch's first sample rows
         self.sampler = build_sampler(
             cfg.train.sampler,
             cfg.train.sampler_options,
@@ -357,6 +371,9 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         """A few answers per step and process, so ranks can be compared and runs inspected."""
         rank = self.accelerator.process_index
         path = self.samples_dir / f"rollouts_rank{rank}.jsonl"
+        if self.samples_from is None:  # this launch's first rows
+            self.samples_from = step
+            drop_rows_from(path, step)
         rows = []
         for prompt, tree in zip(prompts.tolist(), trees, strict=True):
             leaves, answers = leaf_answers(tree)
