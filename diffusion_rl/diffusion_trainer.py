@@ -20,6 +20,7 @@ from the per-prompt scores kept in `heldout_scores.json`) is flagged in eval.jso
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -30,15 +31,17 @@ from typing import Any, NamedTuple
 import torch
 
 from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
-from diffusion_rl.models import FlowPipeline
-from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError
+from diffusion_rl.models import FlowPipeline, one_line
+from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError, check_reward_server
 from diffusion_rl.sampling import evaluate_alignment, evaluation_prompts
 from diffusion_rl.shapes import train_prompts
+from mmrl.checkpoint import STEP_PREFIX, list_checkpoints
 from mmrl.config import ConfigError, shipped_path
 from mmrl.memory_plan import MemoryPlan
 from mmrl.registry import REWARDS, UnknownNameError
 from mmrl.resources import check_enough_prompts
-from mmrl.rewards import RewardFn
+from mmrl.rewards import RewardFn, RewardOutputError, checked_rewards
+from mmrl.runlog import write_json
 from mmrl.samplers import build_sampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree
@@ -64,32 +67,129 @@ class StepRewards(NamedTuple):
     offset: int  # where this process's leaves start
 
 
-def load_prompts(prompt_file: str | None, key: str = "prompt_file") -> list[str]:
+def located_prompts(prompt_file: str | None, key: str = "prompt_file") -> list[tuple[str, str]]:
+    """Every prompt of `prompt_file` (UTF-8 text, one prompt per line, blank lines skipped) with where it
+    is, e.g. "prompt_file = 'p.txt' line 3", for errors that name it; None: the built-in shapes prompts
+    ("built-in prompt 3"). A file that is missing, unreadable, not UTF-8 or empty is a ConfigError
+    naming config key `key`."""
     if prompt_file is None:
-        return train_prompts()
+        return [(f"built-in prompt {n}", prompt) for n, prompt in enumerate(train_prompts(), start=1)]
     path = Path(prompt_file)
     if not path.is_file():
         raise ConfigError(
             f"config error: {key} = {prompt_file!r} does not exist; give a text file with one "
             "prompt per line, or null for the built-in shapes prompts"
         )
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ConfigError(f"config error: {key} = {prompt_file!r} holds no prompts (one per line)")
-    return prompts
+    where = f"{key} = {prompt_file!r}"
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(
+            f"config error: {where} cannot be read ({err.strerror or err}): fix its permissions or give "
+            "another file"
+        ) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(
+            f"config error: {where} is not UTF-8 text: byte {err.start} (line {line}) is "
+            f"0x{data[err.start]:02x} ({err.reason}); save the file as UTF-8 (from Latin-1: "
+            "iconv -f latin1 -t utf-8)"
+        ) from None
+    located = [
+        (f"{where} line {n}", line.strip())
+        for n, line in enumerate(text.splitlines(), start=1)
+        if line.strip()
+    ]
+    if not located:
+        raise ConfigError(f"config error: {where} holds no prompts (one per line)")
+    return located
+
+
+def load_prompts(prompt_file: str | None, key: str = "prompt_file") -> list[str]:
+    """The prompts of `prompt_file` (see `located_prompts`), or the built-in shapes prompts for None."""
+    return [prompt for _, prompt in located_prompts(prompt_file, key)]
+
+
+def located_heldout_prompts(cfg: EvalConfig) -> list[tuple[str, str]]:
+    """The prompts a held-out evaluation samples, with where each is: eval.prompt_file's first
+    eval.prompts, or the shapes world's held-out subset ("built-in held-out prompt 3")."""
+    if cfg.prompt_file is None:
+        chosen = evaluation_prompts(cfg.prompts)
+        return [(f"built-in held-out prompt {n}", prompt) for n, prompt in enumerate(chosen, start=1)]
+    located = located_prompts(cfg.prompt_file, "eval.prompt_file")
+    if len(located) < cfg.prompts:
+        raise ConfigError(
+            f"config error: eval.prompt_file = {cfg.prompt_file!r} holds {len(located)} prompts, fewer "
+            f"than eval.prompts = {cfg.prompts}: lower eval.prompts or add prompts"
+        )
+    return located[: cfg.prompts]
 
 
 def load_heldout_prompts(cfg: EvalConfig) -> list[str] | None:
     """eval.prompt_file's first eval.prompts prompts (None: the shapes world's held-out prompts)."""
     if cfg.prompt_file is None:
         return None
-    prompts = load_prompts(cfg.prompt_file, "eval.prompt_file")
-    if len(prompts) < cfg.prompts:
+    return [prompt for _, prompt in located_heldout_prompts(cfg)]
+
+
+def check_prompt_tokens(pipe: FlowPipeline, prompts: Sequence[tuple[str, str]]) -> str | None:
+    """Check every (where, prompt) against the model's tokenizers before anything is written. Our own
+    tokenizer has a closed vocabulary (`FlowPipeline.vocabulary_gaps`): a word outside it, or a prompt
+    longer than its text encoder reads, is a ConfigError naming the prompt. A diffusers pipeline's
+    tokenizers read any word, and its encode_prompt cuts a long prompt to the encoder's length, as
+    diffusers does: returns the warning that counts the prompts cut (None when none are cut)."""
+    texts = list(dict.fromkeys(prompt for _, prompt in prompts))
+    gaps = pipe.vocabulary_gaps(texts)
+    limits = pipe.prompt_tokenizers()
+    lengths = {
+        name: dict(zip(texts, map(len, tokenizer(texts, verbose=False).input_ids), strict=True))
+        for name, (tokenizer, _) in limits.items()
+    }
+    cut: dict[str, int] = {}  # prompts cut, by tokenizer
+    cut_prompts, first = set(), None
+    for where, prompt in prompts:
+        if prompt in gaps:
+            raise ConfigError(
+                f"config error: {where} ({prompt!r}): the word {gaps[prompt]!r} is not in the model's "
+                "vocabulary, so its text encoder never learnt it (the tokenizer would spell it out in "
+                "characters): write the prompt in the words the model was trained on"
+            )
+        for name, (_, limit) in limits.items():
+            length = lengths[name][prompt]
+            if length <= limit:
+                continue
+            if pipe.diffusers_pipeline is None:
+                raise ConfigError(
+                    f"config error: {where} ({prompt!r}) is {length} tokens long, more than the {limit} "
+                    "the model's text encoder reads: shorten it"
+                )
+            cut[name] = cut.get(name, 0) + 1
+            cut_prompts.add(prompt)
+            first = first or f"the first: {where}, {length} tokens for {name}'s {limit}"
+    if not cut:
+        return None
+    counts = ", ".join(f"{count} by {name} ({limits[name][1]} tokens)" for name, count in cut.items())
+    return (
+        f"{len(cut_prompts)} of the {len(texts)} training and held-out prompts are longer than the text "
+        f"encoders read and are cut to their length, as diffusers does: {counts}; {first}"
+    )
+
+
+def check_gold_reward(cfg: Any) -> None:
+    """Refuse an eval.gold_reward that is also trained: a gold reward is one the run never trains on."""
+    gold = cfg.eval.gold_reward
+    if gold is None:
+        return
+    terms = cfg.reward.terms
+    trained = sorted({term["name"] for term in terms} if terms is not None else {cfg.reward.name})
+    if gold["name"] in trained:
         raise ConfigError(
-            f"config error: eval.prompt_file = {cfg.prompt_file!r} holds {len(prompts)} prompts, fewer "
-            f"than eval.prompts = {cfg.prompts}: lower eval.prompts or add prompts"
+            f"config error: eval.gold_reward.name = {gold['name']!r} is also a trained reward "
+            f"({', '.join(trained)}): a gold reward must be one the run never trains on (set "
+            "eval.gold_reward to another reward, or to null)"
         )
-    return prompts[: cfg.prompts]
 
 
 def resolve_model_path(path: str) -> Path:
@@ -123,6 +223,25 @@ def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[to
             )
         )
     return [p for p in denoiser.parameters() if p.requires_grad]
+
+
+class RewardFailed(Exception):
+    """A reward could not score a batch: its server failed, it returned something other than one number
+    per sample (`checked_rewards`), or it cannot score a prompt (a ValueError); the message names the
+    reward and what it did."""
+
+
+def scored(name: str, fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """Reward `name`'s values of `images` (``fn(images, prompts=prompts)``), checked to be one float32
+    number per image, on the CPU; RewardFailed otherwise."""
+    try:
+        return checked_rewards(fn(images, prompts=prompts), len(images), name).cpu()
+    except RewardServerError as err:
+        raise RewardFailed(f"reward {name!r}: {err}") from err
+    except RewardOutputError as err:
+        raise RewardFailed(str(err)) from err
+    except ValueError as err:
+        raise RewardFailed(f"reward {name!r} cannot score these prompts or images: {one_line(err)}") from err
 
 
 class RewardTerm(NamedTuple):
@@ -269,23 +388,20 @@ class DiffusionTrainer(Trainer):
 
     def setup(self) -> None:
         cfg = self.config
-        self.prompts = load_prompts(cfg.prompt_file)
-        self.heldout_prompts = load_heldout_prompts(cfg.eval)
+        training = located_prompts(cfg.prompt_file)
+        heldout = located_heldout_prompts(cfg.eval)
+        self.prompts = [prompt for _, prompt in training]
+        self.heldout_prompts = None if cfg.eval.prompt_file is None else [prompt for _, prompt in heldout]
         self.reward_terms = build_reward_terms(cfg.reward)
         self.reward_fn = self.reward_terms[0].fn  # the one reward (terms: see `score`)
         self.last_reward_metrics: dict[str, float] = {}
         self.last_heldout_scores: dict[str, list[float]] = {}  # per prompt, of the latest evaluation
         self.gold_reward_fn = None
         gold = cfg.eval.gold_reward
+        check_gold_reward(cfg)
         if gold is not None:
-            trained = sorted({term.name for term in self.reward_terms})
-            if gold["name"] in trained:
-                raise ConfigError(
-                    f"config error: eval.gold_reward.name = {gold['name']!r} is also a trained reward "
-                    f"({', '.join(trained)}): a gold reward must be one the run never trains on (set "
-                    "eval.gold_reward to another reward, or to null)"
-                )
             self.gold_reward_fn = build_reward(gold["name"], gold["options"], "eval.gold_reward.")
+        self.check_reward_servers()
         model_dir = resolve_model_path(cfg.model.path)
         try:
             self.pipe = FlowPipeline.from_pretrained(model_dir)
@@ -300,6 +416,9 @@ class DiffusionTrainer(Trainer):
                 raise ConfigError(
                     f"config error: rollout.image_size = {cfg.rollout.image_size}: {err}"
                 ) from None
+        truncated = check_prompt_tokens(self.pipe, [*training, *heldout])
+        if truncated is not None and self.is_main:
+            print(f"warning: {truncated}", file=sys.stderr)
         self.check_size()
         self.pipe.call_rows = cfg.rollout.call_rows
         if cfg.model.cache_prompt_embeddings:
@@ -318,6 +437,20 @@ class DiffusionTrainer(Trainer):
             cfg.train.sampler, cfg.train.sampler_options, len(self.prompts), cfg.seed, "train.sampler_options"
         )
         self.uncond_one = self.pipe.encode_prompts([""])
+
+    def check_reward_servers(self) -> None:
+        """Refuse, before anything is written, a trained or gold reward whose server does not answer a
+        request now (`check_reward_server`); mid-run a failing server stops the run instead."""
+        cfg = self.config
+        if cfg.reward.terms is None:
+            keys = ["reward"]
+        else:
+            keys = [f"reward.terms[{i}]" for i in range(len(self.reward_terms))]
+        rewards = [(key, term.fn) for key, term in zip(keys, self.reward_terms, strict=True)]
+        if self.gold_reward_fn is not None:
+            rewards.append(("eval.gold_reward", self.gold_reward_fn))
+        for key, fn in rewards:
+            check_reward_server(fn, self.prompts[0], key)
 
     @classmethod
     def memory_plan(cls, config: Any, recipe: str, processes: int) -> MemoryPlan:
@@ -365,24 +498,26 @@ class DiffusionTrainer(Trainer):
         reward = self.config.reward
         if reward.terms is None and reward.normalize == "none":
             self.last_reward_metrics = {}
-            return self.call_reward(self.reward_fn, images, leaf_prompts), images
+            return self.call_reward(self.reward_terms[0].name, self.reward_fn, images, leaf_prompts), images
         terms = (
             self.reward_terms
             if reward.terms is not None
             else [self.reward_terms[0]._replace(fn=self.reward_fn)]
         )
-        raw = {term.label: self.call_reward(term.fn, images, leaf_prompts) for term in terms}
+        raw = {term.label: self.call_reward(term.name, term.fn, images, leaf_prompts) for term in terms}
         self.last_reward_metrics = {f"reward_{name}": values.mean().item() for name, values in raw.items()}
         sizes = [len(tree.leaves()) for tree in trees]
         weights = {term.label: term.weight for term in terms}
         return combine_rewards(raw, weights, sizes, reward.normalize), images
 
     @staticmethod
-    def call_reward(fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    def call_reward(name: str, fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """`scored` in a training step, where a failing reward stops the run (TrainingStopped: the
+        trainer keeps the checkpoint of the last completed step and records why in stopped.json)."""
         try:
-            return fn(images, prompts=prompts).float().cpu()
-        except RewardServerError as err:
-            raise TrainingStopped(f"reward server failed: {err}") from err
+            return scored(name, fn, images, prompts)
+        except RewardFailed as err:
+            raise TrainingStopped(str(err)) from err
 
     def reward_metrics(self) -> dict[str, float]:
         """Each trained term's raw mean over the leaves of the last `score` call (reward_<name>);
@@ -458,9 +593,51 @@ class DiffusionTrainer(Trainer):
         """heldout_alignment (geneval_mini) of ODE samples for the fixed held-out prompts and noise, and
         with terms or a gold reward also heldout_<term>, heldout_reward (terms) and heldout_gold. With
         eval.prompt_file, its prompts scored by the trained reward(s) and the gold reward only. The
-        per-prompt scores stay in `last_heldout_scores` for the reward-hacking check."""
+        per-prompt scores stay in `last_heldout_scores` for the reward-hacking check. A reward that
+        fails ends the run or the command (`evaluation_stop`)."""
+        try:
+            return self.heldout_metrics()
+        except RewardFailed as err:
+            raise self.evaluation_stop(str(err)) from None
+
+    def evaluation_stop(self, failure: str) -> Exception:
+        """What a reward failing in a held-out evaluation ends in. Without a started run (`mmrl eval`):
+        a one-line error. In a run: a stop recorded in stopped.json that keeps the checkpoints and says
+        how to evaluate again; when the run has reached `steps` (the evaluation after training), its
+        result (`final/`) is written first."""
+        if not self.run_started:
+            return ConfigError(
+                f"in the held-out evaluation, {failure}: fix the reward (or start its server) and run "
+                "`mmrl eval` again"
+            )
+        kept = list_checkpoints(self.checkpoint_dir)
+        checkpoint = kept[-1] if kept else None
+        step = int(checkpoint.name.removeprefix(STEP_PREFIX)) if checkpoint is not None else 0
+        again = f"`mmrl eval {self.run_dir / 'config.yaml'}` evaluates it once the reward works"
+        if checkpoint is None:
+            where = "no checkpoint is written yet: launch the run again once the reward works"
+        elif step >= self.config.steps:
+            if self.is_main:
+                self.save_result()
+            where = (
+                f"training is done: the result is saved in {self.result_dir} and the checkpoint of step "
+                f"{step} in {checkpoint}; {again}"
+            )
+        else:
+            where = f"the newest checkpoint is {checkpoint}: resume=true continues from it, and {again}"
+        reason = f"in the held-out evaluation, {failure}"
+        self.record_stop(step, reason, checkpoint)
+        return TrainingStopped(f"{reason}; {where}")
+
+    def heldout_metrics(self) -> dict[str, float]:
+        """`evaluate`'s metrics; RewardFailed for a reward that fails on the held-out samples."""
         cfg = self.config.eval
-        rewards = self.heldout_rewards()
+        names = {term.label: term.name for term in self.reward_terms}  # the registered reward of a key
+        if cfg.gold_reward is not None:
+            names[GOLD_KEY] = cfg.gold_reward["name"]
+        rewards = {
+            key: functools.partial(scored, names[key], fn) for key, fn in self.heldout_rewards().items()
+        }
         per_prompt: dict[str, list[float]] = {}
         self.last_heldout_scores = per_prompt
         with self.ema_weights():
@@ -498,7 +675,7 @@ class DiffusionTrainer(Trainer):
         path = self.run_dir / HELDOUT_SCORES_FILE
         saved = json.loads(path.read_text()) if path.is_file() else {}
         saved[key] = self.last_heldout_scores
-        path.write_text(json.dumps(saved))
+        write_json(path, saved, indent=None)
 
     @property
     def result_dir(self) -> Path:
@@ -586,11 +763,27 @@ class DiffusionTrainer(Trainer):
     def save_result(self) -> None:
         """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or
         a LoRA result that plain diffusers loads at the trained strength with `pipe.load_lora_weights`
-        and that names its base model (model.path) for `FlowPipeline.from_pretrained`."""
+        and that names its base model (model.path) for `FlowPipeline.from_pretrained`. It is written into
+        a temporary sibling renamed into place, so a write that fails (a full disk) or is killed never
+        leaves a half-written `final/`; a result there before stays until the new one replaces it."""
+        import os
+        import shutil
+
         out = self.result_dir
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        replaced = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
         denoiser = self.accelerator.unwrap_model(self.model)
-        with self.ema_weights():
-            if self.config.model.lora_rank > 0:
-                self.pipe.save_lora_weights(out, denoiser, self.config.model.path)
-            else:
-                self.pipe.with_denoiser(denoiser).save_pretrained(out)
+        try:
+            with self.ema_weights():
+                if self.config.model.lora_rank > 0:
+                    self.pipe.save_lora_weights(tmp, denoiser, self.config.model.path)
+                else:
+                    self.pipe.with_denoiser(denoiser).save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if out.exists():
+            os.replace(out, replaced)
+        os.replace(tmp, out)
+        shutil.rmtree(replaced, ignore_errors=True)

@@ -39,7 +39,7 @@ import torch
 
 from diffusion_rl.alignment import load_scorer
 from diffusion_rl.config import REWARD_KEYS, check_options, check_reward_name, reward_mapping
-from diffusion_rl.diffusion_trainer import build_reward, load_prompts
+from diffusion_rl.diffusion_trainer import RewardFailed, build_reward, load_prompts, scored
 from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, parse_prompt, train_prompts
@@ -83,7 +83,7 @@ def prompt_set(name: str) -> list[str]:
         return heldout_prompts()
     if name == "train":
         return train_prompts()
-    return load_prompts(name)
+    return load_prompts(name, "prompts")
 
 
 def paired(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float | None]:
@@ -157,11 +157,11 @@ def build_rewards(entries: list[Any], prompts: list[str]) -> dict[str, Any]:
         label = name + (f"({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
         reward_fns[label] = build_reward(name, options, f"{key}.")
         try:
-            reward_fns[label](blank, prompts=prompts)
-        except ValueError as err:
+            scored(label, reward_fns[label], blank, prompts)
+        except RewardFailed as err:
             raise ConfigError(
-                f"config error: reward {label!r} cannot score these prompts: {err}; choose prompts it "
-                "understands or another reward"
+                f"config error: {key}: {err}; choose prompts it understands, another reward, or start its "
+                "server"
             ) from None
     return reward_fns
 
@@ -295,10 +295,11 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
         scores = {}
         for name, fn in reward_fns.items():
             try:
-                values = fn(flat, prompts=repeated).float()
-            except ValueError as err:
+                values = scored(name, fn, flat, repeated)
+            except RewardFailed as err:
                 raise ConfigError(
-                    f"config error: reward {name!r} cannot score {model!r}'s images: {err}"
+                    f"config error: {err}, scoring {model!r}'s images: nothing is written; fix the reward "
+                    "(or start its server) and run again"
                 ) from None
             scores[name] = values.view(len(prompts), cfg.seeds).mean(dim=1)
         if scorer is not None:

@@ -1,11 +1,14 @@
 """The diffusion trainers' plan for `mmrl train RECIPE --dry-run` (see `mmrl.memory_plan`).
 
-The pipeline is built from its config files on the meta device (`FlowPipeline.from_configs`), with the
-LoRA adapter, the reference copy and the optimizer the trainer would make. Four phases are measured:
-the update (a forward and backward of `train.micro_batch` rows through the velocity the trainer
-trains, guidance included where it trains with it, then the optimizer step), a rollout step (one
-model call on every row a step evaluates at once, twice with classifier-free guidance), decoding
-every sample to pixels, and a held-out evaluation's chunk of prompts (a model call and decoding).
+The config is checked first as `mmrl train` checks it (`planned_prompts`, `check_gold_reward`, then
+`check_prompt_tokens` with the model's tokenizers), so that a plan is never made of a run that train
+would refuse (a missing prompt file is left out: a plan may be made where the data are not). The
+pipeline is built from its config files on the meta device (`FlowPipeline.from_configs`), with the LoRA
+adapter, the reference copy and the optimizer the trainer would make. Four phases are measured: the
+update (a forward and backward of `train.micro_batch` rows through the velocity the trainer trains,
+guidance included where it trains with it, then the optimizer step), a rollout step (one model call on
+every row a step evaluates at once, twice with classifier-free guidance), decoding every sample to
+pixels, and a held-out evaluation's chunk of prompts (a model call and decoding).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from typing import Any
 import torch
 
 from diffusion_rl.branch_rollout import plan_for
-from diffusion_rl.diffusion_trainer import load_prompts, resolve_model_path, trainable_denoiser
+from diffusion_rl.diffusion_trainer import (
+    check_gold_reward,
+    check_prompt_count,
+    check_prompt_tokens,
+    located_heldout_prompts,
+    located_prompts,
+    resolve_model_path,
+    trainable_denoiser,
+)
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.quantized_exploration import exploration_plan
 from mmrl.config import ConfigError
@@ -55,21 +66,36 @@ def reward_model_bytes(names_and_options: list[tuple[str, dict[str, Any]]]) -> i
     return total
 
 
-def prompt_cache_size(pipe: FlowPipeline, config: Any) -> str:
+def planned_prompts(config: Any, processes: int) -> list[tuple[str, str]] | None:
+    """The training and held-out prompts (with where each is), checked as `mmrl train` checks them: the
+    files' text, enough training prompts for a step on `processes`, enough held-out ones. None when a
+    prompt file is not on this machine: a plan may be made where the data are not."""
+    files = [config.prompt_file, config.eval.prompt_file]
+    if any(file is not None and not Path(file).is_file() for file in files):
+        return None
+    training = located_prompts(config.prompt_file)
+    check_prompt_count(config, len(training), processes)
+    return [*training, *located_heldout_prompts(config.eval)]
+
+
+def prompt_cache_size(pipe: FlowPipeline, config: Any, prompts: list[tuple[str, str]] | None) -> str:
     """What `model.cache_prompt_embeddings` keeps in CPU memory (the text encoders leave the GPU): the
-    embeddings of every training and held-out prompt, or per prompt where the prompt file is not there."""
+    embeddings of every training and held-out prompt (`prompts`), or per prompt where a prompt file is
+    not there (None)."""
     per_prompt = pipe._encode_prompts([PROMPT]).nbytes
     each = f"{per_prompt / 1024:,.1f} KiB"
-    try:
-        prompts = len(load_prompts(config.prompt_file)) + config.eval.prompts + 1
-    except ConfigError:
-        return f"{each} per prompt (prompt_file = {config.prompt_file!r} is not there to count)"
-    return f"{human_bytes(prompts * per_prompt).strip()} ({prompts:,d} prompts of {each})"
+    if prompts is None:
+        files = f"prompt_file = {config.prompt_file!r}, eval.prompt_file = {config.eval.prompt_file!r}"
+        return f"{each} per prompt ({files}: not all there to count)"
+    count = len(prompts) + 1
+    return f"{human_bytes(count * per_prompt).strip()} ({count:,d} prompts of {each})"
 
 
 def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPlan:
     r, t = config.rollout, config.train
     nft = config.trainer == "diffusion_nft"
+    located = planned_prompts(config, processes)
+    check_gold_reward(config)
     with torch.device("meta"):
         pipe = FlowPipeline.from_configs(resolve_model_path(config.model.path))
         pipe.set_frozen_dtype(getattr(torch, config.model.frozen_dtype))
@@ -82,6 +108,7 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         reference = copy.deepcopy(pipe.denoiser).requires_grad_(False) if t.kl_coef > 0 else None
         trained = trainable_denoiser(pipe.denoiser, config.model)
         optimizer = torch.optim.AdamW(trained, lr=t.lr)
+    truncated = None if located is None else check_prompt_tokens(pipe, located)
     denoiser = pipe.denoiser
     guidance = r.guidance_scale
     guided = guidance != 1.0 and not pipe.guidance_embedded  # classifier-free: two rows per row
@@ -177,8 +204,10 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
             f", plus {prompts * pool:,d} in the {config.explore.precision} pool"
         )
     if config.model.cache_prompt_embeddings:
-        work["prompt embeddings cached in CPU memory"] = prompt_cache_size(pipe, config)
+        work["prompt embeddings cached in CPU memory"] = prompt_cache_size(pipe, config, located)
     batch, warnings = per_process_sizes("rollout.prompts_per_step", prompts, config.processes, processes)
+    if truncated is not None:
+        warnings.append(truncated)
     batch.append(f"{leaves} samples per prompt; updates of train.micro_batch = {t.micro_batch} rows")
     return MemoryPlan(
         recipe=recipe,

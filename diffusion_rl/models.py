@@ -81,6 +81,8 @@ SUPPORTED_PIPELINES = (
 FLUX_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 WORD_START = "\u2581"  # SentencePiece's mark before every word, as T5 tokenizers write it
 FLUX_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default (and limit) for the T5 prompt tokens
+SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.encode_prompt's default for the T5 prompt tokens
+PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # weight files that torch.load would unpickle
 # FlowMatchEulerDiscreteScheduler options that move the first sigma off 1; our steps start from noise
 FLUX_UNSUPPORTED_SCHEDULE = (
     "use_karras_sigmas",
@@ -422,10 +424,17 @@ class FlowPipeline:
             if settings.get("vae"):
                 from diffusers import AutoencoderKL
 
-                vae = AutoencoderKL.from_pretrained(directory / "vae", local_files_only=True)
-            denoiser = denoiser_class.from_pretrained(directory / folder, local_files_only=True)
+                vae = AutoencoderKL.from_pretrained(
+                    directory / "vae", local_files_only=True, use_safetensors=True
+                )
+            denoiser = denoiser_class.from_pretrained(
+                directory / folder, local_files_only=True, use_safetensors=True
+            )
             text_encoder, info = CLIPTextModelWithProjection.from_pretrained(
-                directory / "text_encoder", local_files_only=True, output_loading_info=True
+                directory / "text_encoder",
+                local_files_only=True,
+                use_safetensors=True,
+                output_loading_info=True,
             )
             tokenizer = CLIPTokenizer.from_pretrained(directory / "tokenizer", local_files_only=True)
         except LOAD_ERRORS as err:
@@ -670,6 +679,45 @@ class FlowPipeline:
         tokenizer's model_max_length is smaller."""
         tokenizer = self.diffusers_pipeline.tokenizer_2
         return min(FLUX_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
+
+    def prompt_tokenizers(self) -> dict[str, tuple[Any, int]]:
+        """Every tokenizer a prompt goes through, by component name, with the most tokens its text
+        encoder is given (encoding cuts a longer prompt there): ours at its text encoder's length; a
+        diffusers pipeline's CLIP tokenizers at the pipeline's tokenizer_max_length and its T5 tokenizer
+        at the max_sequence_length `encode_prompts` gives it (FLUX: `max_sequence_length`; SD3:
+        encode_prompt's default)."""
+        if self.diffusers_pipeline is None:
+            positions = self.text_encoder.config.max_position_embeddings
+            return {"tokenizer": (self.tokenizer, min(int(self.tokenizer.model_max_length), positions))}
+        pipeline = self.diffusers_pipeline
+        clip = getattr(pipeline, "tokenizer_max_length", None) or int(pipeline.tokenizer.model_max_length)
+        t5 = self.max_sequence_length if self.is_flux else SD3_MAX_SEQUENCE_LENGTH
+        t5_parts = ("tokenizer_2",) if self.is_flux else ("tokenizer_3",)
+        return {
+            name: (tokenizer, t5 if name in t5_parts else clip)
+            for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
+            if (tokenizer := getattr(pipeline, name, None)) is not None
+        }
+
+    def vocabulary_gaps(self, prompts: Sequence[str]) -> dict[str, str]:
+        """Each of `prompts` with a word our own tokenizer does not hold as one token, and that word.
+        Ours has a closed vocabulary (`build_clip_tokenizer`: every word the model was trained on is
+        one token), so another word is spelt out in characters, or <|endoftext|> for characters outside
+        its alphabet, which the text encoder never learnt. Empty for a diffusers pipeline, whose
+        tokenizers read any word as pieces they know."""
+        if self.diffusers_pipeline is not None:
+            return {}
+        known: dict[str, bool] = {}
+        gaps = {}
+        for prompt in prompts:
+            for word in prompt.split():
+                if word not in known:
+                    pieces = self.tokenizer.tokenize(word)
+                    known[word] = len(pieces) == 1 and pieces[0] != self.tokenizer.unk_token
+                if not known[word]:
+                    gaps[prompt] = word
+                    break
+        return gaps
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """The networks that are never trained: the text encoders and the VAE."""
@@ -938,6 +986,21 @@ def check_model_directory(directory: str | Path, _seen: frozenset[Path] = frozen
     return check_lora_result(directory, _seen)[1]
 
 
+def check_safetensors(folder: Path) -> None:
+    """Refuse a component folder whose weights are pickle files only (``*.bin``, ``*.pt``, ...): loading
+    one runs pickle, which can execute any code, so weights are read from safetensors files only."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickles = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_WEIGHTS)
+    if pickles:
+        raise ConfigError(
+            f"{str(folder)!r} holds its weights as pickle ({', '.join(pickles)}) and no .safetensors file; "
+            "weights are loaded from safetensors only, as a pickle file can run code: convert them (load "
+            "the model once with from_pretrained where you trust the file, and write it back with "
+            "save_pretrained(..., safe_serialization=True))"
+        )
+
+
 def check_own_layout(directory: Path) -> tuple[dict[str, Any], str]:
     """PIPELINE_FILE's settings and the denoiser folder, once every folder they name is there and the
     denoiser's config names the class PIPELINE_FILE expects."""
@@ -954,6 +1017,8 @@ def check_own_layout(directory: Path) -> tuple[dict[str, Any], str]:
         raise FileNotFoundError(
             f"{str(directory)!r} has {PIPELINE_FILE} but no {', '.join(missing)} folder: {REMAKE}"
         )
+    for part in parts:
+        check_safetensors(directory / part)
     expected = DENOISERS[folder].__name__
     found = read_json_object(directory / folder / "config.json", REMAKE).get("_class_name")
     if found != expected:
@@ -991,6 +1056,8 @@ def check_diffusers_layout(directory: Path) -> tuple[dict[str, Any], str]:
             f"{str(directory)!r}: model_index.json lists {', '.join(missing)}, but there is no such folder: "
             "copy the whole pipeline directory"
         )
+    for part in classes:
+        check_safetensors(directory / part)
     if classes.get("transformer") == SD3Transformer2DModel.__name__ and "text_encoder_2" in index:
         folder = "transformer"
     elif classes.get("transformer") == FluxTransformer2DModel.__name__:

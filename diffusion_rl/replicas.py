@@ -42,6 +42,7 @@ from diffusion_rl.shapes import vocabulary
 from mmrl.config import ConfigError
 from mmrl.precision import default_dtype
 from mmrl.registry import REPLICAS
+from mmrl.resources import check_replica_weights_fit
 
 _VAE_16CH = {  # SD3.5 and FLUX.1 share the 16-channel, 8x-downsampling VAE layout
     "in_channels": 3,
@@ -366,6 +367,8 @@ def save_replica(
     to plan the real model; loading it for training fails for want of weights."""
     directory = Path(directory)
     weights = not full if weights is None else weights
+    if full and weights:
+        check_replica_weights_fit(name, lambda: build_full(name).values(), device)
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if full and weights else torch.float32
     with torch.device(device if weights else "meta"), default_dtype(dtype):

@@ -17,10 +17,9 @@ import http.client
 import io
 import json
 import math
+import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -47,6 +46,8 @@ AESTHETIC_HEAD_FILE = "aesthetic_head.safetensors"
 DEFAULT_REWARD_SERVER_URL = "http://127.0.0.1:8000/reward"
 # where a trainer config holds a reward factory's keyword arguments; option errors name the key there
 OPTIONS_KEY = "reward.options"
+SERVER_CHECK = "check_server"  # the attribute of a reward function that asks its server once (http_reward)
+CHECK_IMAGE_SIZE = 32  # side of the blank image `check_server` sends
 
 
 # --- images -------------------------------------------------------------------------------------
@@ -369,11 +370,39 @@ class RewardServerError(RuntimeError):
     last checkpoint."""
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """Turns every redirect into an HTTP error, so images never go to a host the config did not name."""
+class _DeadlineSocket(io.RawIOBase):
+    """A connected socket as http.client uses it (`sendall`, and `makefile` to read the answer), whose
+    every send and receive may take only what is left before `deadline` (of time.monotonic()): a server
+    that trickles its answer a byte at a time cannot stretch a request past its deadline."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.sock, self.deadline = sock, deadline
+
+    def time_left(self) -> None:
+        """Give the socket what is left of the request's time; TimeoutError once nothing is."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self.time_left()
+        self.sock.sendall(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self.time_left()
+        return self.sock.recv_into(buffer)
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(self)
+
+    def close(self) -> None:
+        """Nothing: http.client closes its connection while the answer is still read from it, so the
+        socket is closed by whoever made it, once the answer is read."""
 
 
 def png_base64(image: Tensor) -> str:
@@ -423,14 +452,23 @@ def http_reward(
     that name, any JSON values) is sent only when the batch has it. The server answers 200 with
     ``{"rewards": [number, ...]}``, one finite number per image.
 
-    Each request may take `timeout` seconds. Connection errors, timeouts and 5xx answers are tried
-    `retries` times in all (the first attempt included), waiting ``backoff * 2**k`` seconds after the
-    k-th failure; then a `RewardServerError` names the URL and the last error. 4xx answers, redirects
-    (never followed) and malformed answers raise it at once. Proxy environment variables are ignored:
-    the server is expected on localhost or the cluster network.
+    Each request may take `timeout` seconds in all, from connecting to the last byte of the answer (a
+    server that trickles its answer times out as one that sends nothing). Connection errors, timeouts
+    and 5xx answers are tried `retries` times in all (the first attempt included), waiting
+    ``backoff * 2**k`` seconds after the k-th failure; then a `RewardServerError` names the URL and the
+    last error. 4xx answers, redirects (never followed) and malformed answers raise it at once. Proxy
+    environment variables are ignored: the server is expected on localhost or the cluster network.
+
+    The reward function's `check_server(prompt)` (`SERVER_CHECK`) sends one blank image, so that a
+    trainer can refuse a server that is down before a run starts (`check_reward_server`); building the
+    reward contacts no server.
     """
     parsed = urllib.parse.urlsplit(str(url))
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    try:
+        port, port_ok = parsed.port, True  # port None: the scheme's own
+    except ValueError:  # not a number in 0..65535
+        port, port_ok = None, False
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
         raise ConfigError(
             f"config error: {OPTIONS_KEY}.url = {url!r}: the reward server is reached over http or https "
             f"only: write http(s)://HOST[:PORT]/PATH, e.g. {DEFAULT_REWARD_SERVER_URL} (the default)"
@@ -442,37 +480,50 @@ def http_reward(
     ):
         if not allowed:
             raise ConfigError(f"config error: {OPTIONS_KEY}.{key} = {value!r}: must be {limit}")
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _RefuseRedirects)
+    connection_class = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+
+    def post_once(body: bytes) -> tuple[int, str, str | None, bytes]:
+        """One POST within `timeout` seconds in all: status, reason, Location header and answer."""
+        deadline = time.monotonic() + timeout
+        connection, sock = connection_class(parsed.hostname, port, timeout=timeout), None
+        try:
+            connection.connect()
+            sock = connection.sock
+            connection.sock = _DeadlineSocket(sock, deadline)
+            connection.request("POST", target, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.reason, response.getheader("Location"), response.read()
+        except TimeoutError:  # the socket's own, or `_DeadlineSocket`'s: one message for both
+            raise TimeoutError(f"timed out: no complete answer within timeout = {timeout:g} s") from None
+        finally:
+            connection.close()
+            if sock is not None:
+                sock.close()
 
     def post(body: bytes) -> bytes:
-        request = urllib.request.Request(
-            url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        last_error: Exception | None = None
+        last_error = ""
         for attempt in range(retries):
             if attempt:
                 time.sleep(backoff * 2 ** (attempt - 1))
             try:
-                with opener.open(request, timeout=timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as error:
-                if 300 <= error.code < 400:
-                    raise RewardServerError(
-                        f"reward server {url} redirected (HTTP {error.code}) to "
-                        f"{error.headers.get('Location')!r}; redirects are not followed"
-                    ) from error
-                if error.code < 500:
-                    raise RewardServerError(
-                        f"reward server {url} answered HTTP {error.code} {error.reason}: "
-                        f"{_excerpt(error.read())!r}"
-                    ) from error
-                last_error = error
+                status, reason, location, answer = post_once(body)
             except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut short
-                last_error = error
-        failure = f"{type(last_error).__name__}: {last_error}"
-        raise RewardServerError(
-            f"reward server {url} failed {retries} times; last error: {failure}"
-        ) from last_error
+                last_error = f"{type(error).__name__}: {error}"
+                continue
+            if status < 300:
+                return answer
+            if status < 400:
+                raise RewardServerError(
+                    f"reward server {url} redirected (HTTP {status}) to {location!r}; redirects are not "
+                    "followed"
+                )
+            if status < 500:
+                raise RewardServerError(
+                    f"reward server {url} answered HTTP {status} {reason}: {_excerpt(answer)!r}"
+                )
+            last_error = f"HTTP {status} {reason}: {_excerpt(answer)!r}"
+        raise RewardServerError(f"reward server {url} failed {retries} times; last error: {last_error}")
 
     def reward(
         images: ImageBatch,
@@ -492,4 +543,24 @@ def http_reward(
         payload = {**fields, "images": [png_base64(image) for image in images]}
         return _parse_rewards(post(json.dumps(payload).encode()), len(images), url)
 
+    def check_server(prompt: str) -> None:
+        """One request of a blank image and `prompt`: RewardServerError if the server does not answer it."""
+        reward([torch.full((3, CHECK_IMAGE_SIZE, CHECK_IMAGE_SIZE), 0.5)], prompts=[prompt])
+
+    setattr(reward, SERVER_CHECK, check_server)
     return reward
+
+
+def check_reward_server(fn: RewardFn, prompt: str, key: str) -> None:
+    """Refuse a reward whose server does not answer one request now (a ConfigError naming config key
+    `key` and the server), before a run writes anything; rewards without a server pass."""
+    check = getattr(fn, SERVER_CHECK, None)
+    if check is None:
+        return
+    try:
+        check(prompt)
+    except RewardServerError as err:
+        raise ConfigError(
+            f"config error: {key}: {err}: start the reward server (one that answers within its timeout), "
+            f"or give its address as {key}.options.url"
+        ) from None

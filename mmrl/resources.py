@@ -11,7 +11,7 @@ keep one small on a shared machine.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -60,6 +60,25 @@ def check_memory(need: float, what: str, keys: Sequence[str], device: str | torc
         raise ConfigError(
             f"config error: {what} needs about {need / GIB:.1f} GiB; {source} {have / GIB:.1f} GiB "
             f"available: lower {_either(keys)} (or set {LIMIT_ENV} if the estimate is too high)"
+        )
+
+
+def check_replica_weights_fit(name: str, build: Callable[[], Iterable[torch.nn.Module]], device: str) -> None:
+    """Refuse (ConfigError) `mmrl replica NAME full=true weights=true` when the full-size random weights
+    in bfloat16 do not fit in the memory `device` has available, before any is allocated: `build` makes
+    the replica's networks, here on the meta device, which counts their bytes and allocates nothing."""
+    from mmrl.memory_plan import weight_bytes
+    from mmrl.precision import default_dtype
+
+    with torch.device("meta"), default_dtype(torch.bfloat16):
+        need = weight_bytes(build())
+    have, source = available_memory(device)
+    if need > have:
+        raise ConfigError(
+            f"config error: mmrl replica {name} full=true weights=true builds {need / GIB:.1f} GiB of random "
+            f"bfloat16 weights on device={device}; {source} {have / GIB:.1f} GiB available: give a device "
+            f"with more memory, or weights=false for the configs alone (what --dry-run plans from), or set "
+            f"{LIMIT_ENV} if the memory is there"
         )
 
 

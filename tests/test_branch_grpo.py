@@ -423,10 +423,13 @@ def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monke
     assert (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").is_file()
 
 
-def test_reward_server_down_stops_cleanly(model_dir, tmp_path, monkeypatch):
+def test_reward_server_down_mid_run_stops_cleanly(model_dir, tmp_path, monkeypatch):
+    """A server that answered the check at the start and is down by the first step (one down at the
+    start is refused before anything is written: tests/test_diffusion_faults.py)."""
     monkeypatch.setattr(
         "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
     )
+    monkeypatch.setattr("diffusion_rl.diffusion_trainer.check_reward_server", lambda *a, **k: None)
     code = main(
         [
             "train",

@@ -5,7 +5,7 @@ on another number of processes, and the errors."""
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_replicas import RECIPES, replica_run
+from test_replicas import RECIPES, TRAIN_PROMPTS, replica_run
 from torch.profiler import ProfilerActivity, profile
 
 from diffusion_rl.models import FlowPipeline
@@ -102,8 +102,11 @@ def test_a_run_that_skips_a_phase_is_planned_without_it():
 
 def test_fsdp_shards_the_trained_module_and_gathers_its_blocks(replicas, tmp_path, capsys):
     """`--launch` with the recipe's FSDP config: 1/N of the denoiser's weights, gradients and optimizer
-    states per process, two wrapped blocks gathered in bfloat16, the frozen encoders whole."""
-    config = run_config("diffusion/sd35m_pickscore_lora", replicas, tmp_path)
+    states per process, two wrapped blocks gathered in bfloat16, the frozen encoders whole (eight
+    training prompts: the plan checks a step on 8 processes draws no prompt twice, as train does)."""
+    prompts = tmp_path / "eight_prompts.txt"
+    prompts.write_text("\n".join(TRAIN_PROMPTS * 2) + "\n")
+    config = run_config("diffusion/sd35m_pickscore_lora", replicas, tmp_path, f"prompt_file={prompts}")
     whole = TRAINERS.get(config.trainer).memory_plan(config, "sd35m", 8)
     launch = LaunchConfig.from_file("configs/accelerate/fsdp_1node_8gpu_sd3.yaml")
     assert (launch.processes, launch.fsdp, launch.wrap_classes) == (8, True, ("JointTransformerBlock",))
@@ -129,6 +132,7 @@ def test_fsdp_shards_the_trained_module_and_gathers_its_blocks(replicas, tmp_pat
         whole.sharded(LaunchConfig.from_file("configs/accelerate/fsdp_1node_8gpu_flux.yaml"))
     # on the command line the launch file sets the processes
     args = ["train", "diffusion/sd35m_pickscore_lora", "--dry-run", *replica_run(replicas, "sd35m", tmp_path)]
+    args.append(f"prompt_file={prompts}")
     assert main([*args, "--launch", "configs/accelerate/fsdp_1node_8gpu_sd3.yaml"]) == 0
     out = capsys.readouterr().out
     assert "on 8 process(es)" in out and "FSDP gathered blocks" in out and "note: FSDP over 8" in out

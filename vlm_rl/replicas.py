@@ -27,6 +27,7 @@ from transformers import (
 
 from mmrl.precision import default_dtype
 from mmrl.registry import REPLICAS
+from mmrl.resources import check_replica_weights_fit
 from vlm_rl.data import DataConfig, task_vocabulary
 from vlm_rl.models import QwenVLAdapter, build_chat_tokenizer
 
@@ -117,6 +118,8 @@ def qwen25vl_3b(
     in bfloat16 at full size (on a GPU, for `mmrl bench gpu`); without them only the config is written."""
     directory = Path(directory)
     weights = not full if weights is None else weights
+    if full and weights:
+        check_replica_weights_fit("qwen25vl_3b", lambda: [build_full()], device)
     text, vision = configs(tiny=not full)
     words, max_length = task_vocabulary(DataConfig()), TINY["text"]["max_position_embeddings"]
     tokenizer = full_size_tokenizer(words, max_length) if full else build_chat_tokenizer(words, max_length)
