@@ -6,6 +6,7 @@ beside the PNG."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import math
 import os
@@ -20,9 +21,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mmrl.config import ConfigError, check_output_dir, load_config, to_dict  # noqa: E402
-from mmrl.report import metric_number  # noqa: E402
-from mmrl.runlog import METRICS_FILE, read_launches, read_metrics  # noqa: E402
+from mmrl.config import ConfigError, check_output_dir, load_config, read_json_object, to_dict  # noqa: E402
+from mmrl.report import check_run_dir, metric_number, read_metric_rows  # noqa: E402
+from mmrl.runlog import read_launches  # noqa: E402
 
 
 def check_plot_path(out: str | Path) -> Path:
@@ -165,14 +166,26 @@ def _explored(rows: list[dict]) -> bool:
     return any(metric_number(row.get("explore_nfe")) is not None for row in rows)
 
 
-def _read_rows(run: Path) -> list[dict]:
-    return [r for r in read_metrics(run) if isinstance(r, dict)] if (run / METRICS_FILE).is_file() else []
+def read_evals(run: Path) -> dict[str, Any]:
+    """A run's eval.json ({} without one); ConfigError naming the file when it is not a JSON object or
+    its "before" or "after" is not an object of metrics."""
+    path = run / "eval.json"
+    if not path.is_file():
+        return {}
+    fix = "a finished run writes it whole: copy it again from where the run ran, or leave the run out"
+    evals = read_json_object(path, fix)
+    for moment in ("before", "after"):
+        if moment in evals and not isinstance(evals[moment], dict):
+            raise ConfigError(
+                f"{str(path)!r}: {moment!r} is {evals[moment]!r}, not an object of held-out metrics: {fix}"
+            )
+    return evals
 
 
 def held_out_curve(run: Path, metric: str) -> Curve:
     """The held-out `metric` curve of a finished run; FileNotFoundError when the run has not finished."""
-    rows = _read_rows(run)
-    evals = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+    rows = read_metric_rows(run)
+    evals = read_evals(run)
     if not rows or any(metric not in (evals.get(key) or {}) for key in ("before", "after")):
         raise FileNotFoundError(
             f"{str(run)!r} has no finished run with held-out {metric!r} (metrics.jsonl and eval.json "
@@ -198,7 +211,7 @@ def held_out_curve(run: Path, metric: str) -> Curve:
 def training_curve(run: Path, metric: str) -> Curve:
     """`metric` as the run's training steps logged it in metrics.jsonl (a robot run's rollout success,
     say), at every step that has it; FileNotFoundError when the run logged no step."""
-    rows = _read_rows(run)
+    rows = read_metric_rows(run)
     if not rows:
         raise FileNotFoundError(f"{str(run)!r} has no metrics.jsonl with training steps; train it first")
     axes, walked = _walk_metrics(rows)
@@ -216,25 +229,66 @@ def training_curve(run: Path, metric: str) -> Curve:
     return curve
 
 
-def _method_key(run: Path, seed_keys: tuple[str, ...] = ()) -> tuple[str, Any]:
-    """(what seeds of one method share, the run's seed): the saved config, with the defaults of keys
-    added since the run was made (their defaults keep what runs did before them) and without
-    `NOT_METHOD_KEYS` and `seed_keys`; a run without a config.yaml is a method of its own."""
+def run_config(run: Path) -> dict[str, Any] | None:
+    """A run's saved config.yaml, with the defaults of keys added since the run was made (their
+    defaults keep what runs did before them); None without one, or for one that is not a mapping."""
     import yaml
 
     path = run / "config.yaml"
     if not path.is_file():
-        return f"run {run.resolve()}", None
+        return None
     try:
         config = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{str(path)!r} is not valid YAML ({err})") from None
     if not isinstance(config, dict):
-        return f"run {run.resolve()}", None
+        return None
     with contextlib.suppress(ConfigError):  # one this version no longer reads: compared as written
         config = to_dict(load_config(str(path)))
+    return config
+
+
+def _method_key(run: Path, config: dict[str, Any] | None, seed_keys: tuple[str, ...]) -> tuple[str, Any]:
+    """(what seeds of one method share, the run's seed): its `run_config` without `NOT_METHOD_KEYS`
+    and `seed_keys`; a run without a config.yaml is a method of its own."""
+    if config is None:
+        return f"run {run.resolve()}", None
     method = _without(config, (*NOT_METHOD_KEYS, *seed_keys))
     return json.dumps(method, sort_keys=True, default=str), config.get("seed")
+
+
+def _dotted_keys(config: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every key of a nested config, dotted, sections included ("model" and "model.path")."""
+    keys = []
+    for key, value in config.items():
+        keys.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def check_seed_keys(seed_keys: tuple[str, ...], configs: list[dict[str, Any] | None]) -> None:
+    """Refuse a --seed-key that no run's config has (a misspelt key would leave the seeds apart without
+    a word), naming the closest key and the keys where it goes astray."""
+    known = {key for config in configs if config is not None for key in _dotted_keys(config)}
+    for key in seed_keys:
+        if key in known:
+            continue
+        if not known:
+            raise ConfigError(f"--seed-key {key!r}: no run has a config.yaml to find it in; leave it out")
+        hint = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+        parts = key.split(".")
+        sections = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))  # deepest first
+        section = next((name for name in sections if name in known), "")
+        prefix = f"{section}." if section else ""
+        inside = (k.removeprefix(prefix) for k in known if k.startswith(prefix))
+        here = sorted({name for name in inside if "." not in name})
+        where = f"under {section!r}" if section else "at the top level"
+        raise ConfigError(
+            f"--seed-key {key!r}: no run's config.yaml has this key{did_you_mean}; the keys {where} are: "
+            + ", ".join(here)
+        )
 
 
 def _without(config: dict, dotted_keys: tuple[str, ...]) -> dict:
@@ -357,8 +411,9 @@ def warn_mixed_launches(runs: list[Path]) -> None:
 
 
 def distinct_runs(run_dirs: list[str | Path]) -> list[Path]:
-    """The run directories as Paths, refusing one given twice (it would count as two seeds)."""
-    runs = [Path(run_dir) for run_dir in run_dirs]
+    """The run directories as Paths, refusing one that does not exist or is no run directory
+    (`check_run_dir`) and one given twice (it would count as two seeds)."""
+    runs = [check_run_dir(run_dir) for run_dir in run_dirs]
     seen: dict[Path, Path] = {}
     for run in runs:
         if run.resolve() in seen:
@@ -369,11 +424,13 @@ def distinct_runs(run_dirs: list[str | Path]) -> list[Path]:
 
 def group_methods(runs: list[Path], seed_keys: list[str] | None = None) -> tuple[list[list[int]], list[Any]]:
     """The runs' indices grouped into methods (`_method_key`), in the order each method's first run
-    is given, and every run's seed."""
+    is given, and every run's seed; `seed_keys` that no run's config has are refused."""
+    configs = [run_config(run) for run in runs]
+    check_seed_keys(tuple(seed_keys or ()), configs)
     groups: dict[str, list[int]] = {}
     seeds: list[Any] = []
-    for i, run in enumerate(runs):
-        key, seed = _method_key(run, tuple(seed_keys or ()))
+    for i, (run, config) in enumerate(zip(runs, configs, strict=True)):
+        key, seed = _method_key(run, config, tuple(seed_keys or ()))
         groups.setdefault(key, []).append(i)
         seeds.append(seed)
     return list(groups.values()), seeds

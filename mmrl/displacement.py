@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mmrl.bench_all import print_table
-from mmrl.compare import chosen_labels, distinct_runs, group_methods
+from mmrl.compare import chosen_labels, distinct_runs, group_methods, run_config
 from mmrl.config import ConfigError
 
 
@@ -44,7 +43,7 @@ def weight_files(run: Path) -> list[tuple[Path, Path]]:
             f"run {str(run)!r} has no final weights ({final}/*.safetensors): let it finish first"
         )
     config = run / "config.yaml"
-    model = (yaml.safe_load(config.read_text()) or {}).get("model") if config.is_file() else None
+    model = (run_config(run) or {}).get("model")
     start = model.get("path") if isinstance(model, dict) else None
     if not start or not Path(start).is_dir():
         raise ConfigError(
@@ -60,6 +59,18 @@ def weight_files(run: Path) -> list[tuple[Path, Path]]:
     return pairs
 
 
+def _open_weights(stack: ExitStack, path: Path) -> Any:
+    """`path` opened with safetensors for the length of `stack`; ConfigError naming it when it is not a
+    whole safetensors file (one cut short by a copy, say)."""
+    try:
+        return stack.enter_context(safe_open(path, "pt"))
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(
+            f"{str(path)!r} is not a readable safetensors file ({err}): copy it again whole, or leave its "
+            "run out"
+        ) from None
+
+
 def displacement_gram(runs: list[Path]) -> torch.Tensor:
     """[runs, runs] inner products of the runs' displacements (float64), read tensor by tensor. Every
     run must hold the same files and tensors."""
@@ -71,8 +82,8 @@ def displacement_gram(runs: list[Path]) -> torch.Tensor:
     gram = torch.zeros(len(runs), len(runs), dtype=torch.float64)
     for index in range(len(names[0])):
         with ExitStack() as stack:
-            finals = [stack.enter_context(safe_open(p[index][0], "pt")) for p in pairs]
-            starts = [stack.enter_context(safe_open(p[index][1], "pt")) for p in pairs]
+            finals = [_open_weights(stack, p[index][0]) for p in pairs]
+            starts = [_open_weights(stack, p[index][1]) for p in pairs]
             keys = set(finals[0].keys())
             for run, final, start in zip(runs, finals, starts, strict=True):
                 if set(final.keys()) != keys or not keys <= set(start.keys()):

@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mmrl.config import ConfigError  # noqa: E402
 from mmrl.runlog import METRICS_FILE, read_launches, read_metrics  # noqa: E402
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
@@ -111,6 +112,20 @@ def metric_number(value: Any) -> float | None:
     if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
         return float(value)
     return None
+
+
+def read_metric_rows(run: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl ([] without one), refusing a row whose step is not a number
+    (ConfigError naming the file and the row): no curve could place it, and runs never log one."""
+    rows = read_metrics(run)
+    for index, row in enumerate(rows, 1):
+        step = row.get("step", 0) if isinstance(row, dict) else 0
+        if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
+            raise ConfigError(
+                f"{str(run / METRICS_FILE)!r}: row {index} has step = {step!r}, not a number: fix that "
+                "row (steps count from 1) or delete it"
+            )
+    return [row for row in rows if isinstance(row, dict)]
 
 
 def _natural_key(path: Path) -> list[Any]:
@@ -490,7 +505,7 @@ def _summary(run: Path, rows: list[dict]) -> str:
 def build_report(run_dir: str | Path) -> str:
     """The report page of a run directory as one HTML string."""
     run = check_run_dir(run_dir)
-    rows = [row for row in read_metrics(run) if isinstance(row, dict)]
+    rows = read_metric_rows(run)
     parts = [f"<h1>mmrl run: {_esc(run.resolve())}</h1>", _summary(run, rows)]
 
     stopped = run / "stopped.json"
@@ -561,7 +576,8 @@ def build_report(run_dir: str | Path) -> str:
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write ``RUN_DIR/report.html``; raise FileNotFoundError if RUN_DIR is not a run directory."""
+    """Write ``RUN_DIR/report.html``; raise FileNotFoundError if RUN_DIR is not a run directory and
+    ConfigError for a metrics.jsonl row whose step is not a number."""
     page = build_report(run_dir)
     out = Path(run_dir) / "report.html"
     tmp = out.with_name(out.name + ".tmp")

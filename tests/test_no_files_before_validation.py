@@ -233,9 +233,9 @@ CASES = {
         "--compare",
         finished_runs_to_compare,
     ),
-    "report-compare-unfinished": Case(
+    "report-compare-missing-run": Case(
         ["report", "{tmp}/runs/a", "{missing}", "--compare", "{out}/plot.png", "--metric", "m"],
-        "no finished run",
+        "does not exist",
         finished_runs_to_compare,
     ),
 }

@@ -238,19 +238,20 @@ def test_mme_realworld_tsv_lists_options_in_one_column(tmp_path):
     assert [s.id for s in bench.skipped] == ["1"] and "no options" in bench.skipped[0].reason
 
 
-def test_image_that_fails_to_decode_is_skipped_when_evaluated(tmp_path):
+def test_image_that_fails_to_decode_is_skipped_when_evaluated(tiny_model, tmp_path):
     png = image_bytes()
     path = write_tsv(
         tmp_path / "hr.tsv", [hr_row(0, "A", 0, b64(png)), hr_row(1, "A", 1, b64(png[: len(png) // 2]))]
     )
     bench = load_benchmark(path)
     assert len(bench.rows) == 2 and not bench.skipped  # the header reads fine; the pixels do not
-    results, skipped = run_benchmark(None, bench.rows, None, modes=[], progress=False)  # type: ignore[arg-type]
+    vlm = VLMAdapter.from_pretrained(tiny_model)  # asked whether it can resize each image
+    results, skipped = run_benchmark(vlm, bench.rows, None, modes=[], progress=False)  # type: ignore[arg-type]
     assert [r.row.id for r in results] == ["0"]
     assert [(s.row, s.id) for s in skipped] == [(1, "1")] and "fails to decode" in skipped[0].reason
 
 
-def test_five_options_are_lettered_and_too_many_are_reported():
+def test_five_options_are_lettered_and_too_many_are_reported(tiny_model):
     five = ["a", "b", "c", "d", "e"]
     assert "E . e" in question_text("Which?", five)  # MME-RealWorld asks with five options
     many = [f"o{i}" for i in range(27)]
@@ -258,7 +259,8 @@ def test_five_options_are_lettered_and_too_many_are_reported():
         BenchmarkRow(0, "q0", Question("Which?", five, "E", lambda: Image.new("RGB", (8, 8)))),
         BenchmarkRow(1, "q1", Question("Which?", many, "A", lambda: Image.new("RGB", (8, 8)))),
     ]
-    results, skipped = run_benchmark(None, rows, None, modes=[], progress=False)  # type: ignore[arg-type]
+    vlm = VLMAdapter.from_pretrained(tiny_model)  # asked whether it can resize each image
+    results, skipped = run_benchmark(vlm, rows, None, modes=[], progress=False)  # type: ignore[arg-type]
     assert [r.row.id for r in results] == ["q0"]
     assert [(s.row, s.id) for s in skipped] == [(1, "q1")] and "27 options" in skipped[0].reason
 

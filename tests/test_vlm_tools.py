@@ -140,7 +140,8 @@ def test_every_mistake_is_an_error_observation(text, kind):
 
 
 def test_error_cases_cover_every_kind():
-    assert {kind for _, kind in ERROR_CASES} == set(ERROR_KINDS)
+    # too_thin needs an image over 200 x min_size wide: test_a_crop_too_thin_for_the_model_is_an_error...
+    assert {kind for _, kind in ERROR_CASES} | {"too_thin"} == set(ERROR_KINDS)
 
 
 def test_unknown_tool_names_the_tools():
@@ -248,6 +249,17 @@ def test_small_boxes_grow_to_min_size_around_their_centre():
     assert run(tiny, tool_text([2, 2, 5, 5])).box == (0, 0, 20, 10)  # the image is smaller than min_size
     no_minimum = ImageStore(coded_image(), CropSettings(min_size=0))
     assert run(no_minimum, tool_text([10.2, 10.2, 10.3, 10.4])).box == (10, 10, 11, 11)
+
+
+def test_a_crop_too_thin_for_the_model_is_an_error_the_model_sees():
+    """A full-width strip of an 8K-wide image, grown to min_size, is 7680x29: more than 200 to 1,
+    which Qwen2-VL's processor refuses. It is answered as a tool error and adds no image."""
+    wide = ImageStore(Image.new("RGB", (7680, 400)), CropSettings(min_size=28))
+    observation = run(wide, tool_text([0, 100, 7680, 101]))
+    assert not observation.ok and observation.error == "too_thin" and observation.image is None
+    assert "7680x29" in observation.text and "nearer to square" in observation.text  # 28 rows, rounded out
+    assert len(wide) == 1
+    assert run(wide, tool_text([0, 100, 5600, 128])).ok  # 200 to 1 is still seen
 
 
 def test_boxes_sticking_out_are_clamped():

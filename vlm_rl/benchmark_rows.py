@@ -14,6 +14,7 @@ from typing import Literal
 from PIL import Image
 
 from vlm_rl.data import Question
+from vlm_rl.question_jsonl import IMAGE_ERRORS as IMAGE_ERRORS  # the formats check images with it
 
 # the formats `vlm_rl.benchmark_files.load_benchmark` reads, and what each looks like (for messages)
 FORMATS = ("auto", "vstar", "vstar_jsonl", "tsv", "mme_realworld", "jsonl")
@@ -29,7 +30,6 @@ EXPECTED = {
     "'Answer choices' ['(A) ...', ...], 'Ground truth', Task, Subtask, Category",
     "jsonl": "the project's jsonl: question_id, image, question, options, answer (a letter)",
 }
-IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 Scoring = Literal["accuracy", "hrbench"]
 

@@ -16,8 +16,8 @@ import numpy as np
 from PIL import Image
 
 from mmrl.config import ConfigError, option
-from vlm_rl.models import IM_END, WORD, Segment, VLMAdapter
-from vlm_rl.question_jsonl import read_benchmark
+from vlm_rl.models import IM_END, WORD, ImageSizeError, Segment, VLMAdapter
+from vlm_rl.question_jsonl import IMAGE_ERRORS, MCQuestion, read_benchmark
 from vlm_rl.tasks import (
     COLOURS,
     LETTERS,
@@ -107,10 +107,13 @@ class QuestionSet:
                 f"config error: data.source = {cfg.source!r} needs data.heldout_file (a jsonl of held-out "
                 "questions): evaluating on the training file would measure memorisation"
             )
-        path = cfg.source if split == "train" else cfg.heldout_file or cfg.source
+        self.key = "data.source" if split == "train" else "data.heldout_file"  # the file's config key
+        self.path = cfg.source if split == "train" else cfg.heldout_file or cfg.source
+        self.file_rows: list[MCQuestion] | None = None  # a jsonl's rows, as read
         self.rows: list[Question] | None = None
-        if path != "zoom_task":
-            self.rows = load_questions(path)
+        if self.path != "zoom_task":
+            self.file_rows = load_questions(self.path)
+            self.rows = [file_question(row) for row in self.file_rows]
         self.size = (
             len(self.rows)
             if self.rows is not None
@@ -129,8 +132,33 @@ class QuestionSet:
             return self.rows[index]
         return synthetic_question(index, self.split, self.cfg)
 
+    def check_images(self, adapter: VLMAdapter) -> None:
+        """Refuse (ConfigError naming the file's key, the row and its image) a question of a jsonl whose
+        image does not open or that `adapter`'s processor cannot resize (Qwen2-VL's takes no side over
+        200 times the other), so that a run stops before it writes anything rather than at the step
+        that draws the question. Reads each image's header only; the synthetic task's images fit."""
+        checked: set[Path] = set()  # rows may share an image
+        for row in (self.file_rows or [])[: self.size]:
+            if row.image_path in checked:
+                continue
+            where = f"config error: {self.key} = {self.path!r}: question_id={row.question_id!r}"
+            try:
+                with Image.open(row.image_path) as image:
+                    adapter.resized_size(image)
+            except ImageSizeError as err:
+                raise ConfigError(
+                    f"{where}: {row.image_path}: {err}; pad or crop that image nearer to square, or remove "
+                    "the row"
+                ) from None
+            except IMAGE_ERRORS as err:
+                raise ConfigError(
+                    f"{where}: image {row.image_path} cannot be read ({type(err).__name__}: {err}); replace "
+                    "the file or remove the row"
+                ) from None
+            checked.add(row.image_path)
 
-def load_questions(path: str) -> list[Question]:
+
+def load_questions(path: str) -> list[MCQuestion]:
     """Rows of a jsonl of multiple-choice questions (question_id, image, question, options, answer, ...)."""
     file = Path(path)
     if not file.is_file():
@@ -144,19 +172,21 @@ def load_questions(path: str) -> list[Question]:
         raise ConfigError(f"config error: {path}: {err}") from None
     if not rows:
         raise ConfigError(f"config error: data file {path!r} holds no questions")
+    return rows
+
+
+def file_question(row: MCQuestion) -> Question:
+    """A jsonl row as a trainer's question; its image is read when the question is asked."""
     kinds = {True: "detail", False: "global", None: ""}
-    return [
-        Question(
-            r.question,
-            r.options,
-            r.answer,
-            lambda r=r: r.image,
-            kinds[r.needs_zoom],
-            r.category,
-            r.target_box,
-        )
-        for r in rows
-    ]
+    return Question(
+        row.question,
+        row.options,
+        row.answer,
+        lambda: row.image,
+        kinds[row.needs_zoom],
+        row.category,
+        row.target_box,
+    )
 
 
 def task_vocabulary(cfg: DataConfig, samples: int = 400) -> list[str]:

@@ -34,7 +34,7 @@ from mmrl.config import (
 from mmrl.registry import EVALUATORS
 from vlm_rl.benchmark_files import load_benchmark
 from vlm_rl.benchmark_rows import EXPECTED, FORMATS, IMAGE_ERRORS, BenchmarkRow, SkippedRow
-from vlm_rl.models import VLMAdapter
+from vlm_rl.models import ImageSizeError, VLMAdapter
 from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, rollout
 from vlm_rl.scoring import Outcome, RowResult, extract_choice, score_results
 from vlm_rl.tasks import OPTION_LETTERS
@@ -59,8 +59,9 @@ def run_benchmark(
     progress: bool = True,
 ) -> tuple[list[RowResult], list[SkippedRow]]:
     """Greedy rollouts of every row under every mode, a batch at a time (each image decoded once per
-    batch and shared by the modes). Rows whose prompt cannot be built or whose image does not decode
-    are returned as skipped, not scored."""
+    batch and shared by the modes). Rows whose prompt cannot be built, whose image does not decode or
+    whose image the model's processor cannot resize (`ImageSizeError`: one side over 200 times the
+    other, for Qwen2-VL) are returned as skipped, not scored."""
     results: list[RowResult] = []
     skipped: list[SkippedRow] = []
     askable = []
@@ -76,6 +77,10 @@ def run_benchmark(
         for row in askable[start : start + batch_size]:
             try:
                 image = _load_image(row)
+                adapter.resized_size(image)  # refused here, the batch's other rows go on
+            except ImageSizeError as err:
+                skipped.append(SkippedRow(row.row, row.id, str(err), row.line))
+                continue
             except IMAGE_ERRORS as err:
                 reason = f"image fails to decode ({type(err).__name__}: {err})"
                 skipped.append(SkippedRow(row.row, row.id, reason, row.line))

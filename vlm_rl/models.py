@@ -144,12 +144,24 @@ def build_chat_tokenizer(words: Sequence[str], max_length: int = 4096) -> PreTra
     )
 
 
+class ImageSizeError(ValueError):
+    """An image whose size the model's image processor cannot resize (Qwen2-VL's takes no image with
+    one side more than 200 times the other); the message names the size and the processor's reason."""
+
+
+def safe_size(size: tuple[int, int]) -> tuple[int, int]:
+    """The (width, height) `safe_image` gives an image of `size`: no side above MAX_IMAGE_SIDE."""
+    if max(size) <= MAX_IMAGE_SIDE:
+        return size
+    scale = MAX_IMAGE_SIDE / max(size)
+    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
+
+
 def safe_image(image: Image.Image) -> Image.Image:
     """RGB, with no side above MAX_IMAGE_SIDE: huge images are downscaled first (with a warning), since
     the processor would spend seconds and gigabytes resizing them to a few hundred pixels anyway."""
-    if max(image.size) > MAX_IMAGE_SIDE:
-        scale = MAX_IMAGE_SIDE / max(image.size)
-        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    size = safe_size(image.size)
+    if size != image.size:
         message = f"image of {image.width}x{image.height} pixels downscaled to {size[0]}x{size[1]}"
         warnings.warn(message, stacklevel=2)
         image = image.resize(size, Image.Resampling.BICUBIC)
@@ -463,11 +475,13 @@ class VLMAdapter(ABC):
 
     @abstractmethod
     def encode_image(self, image: Image.Image) -> ImageInput:
-        """Resize and patchify one image."""
+        """Resize and patchify one image; `ImageSizeError` for one the processor cannot resize."""
 
     @abstractmethod
     def resized_size(self, image: Image.Image) -> tuple[int, int]:
-        """(width, height) the processor resizes `image` to: the space the model's coordinates live in."""
+        """(width, height) the processor resizes `image` to: the space the model's coordinates live in.
+        Computed from `image.size` alone (a lazily opened file is not decoded); `ImageSizeError` for an
+        image the processor cannot resize, the error `encode_image` would raise for it."""
 
     @abstractmethod
     def image_token_ids(self, image: ImageInput) -> list[int]:
@@ -1011,18 +1025,24 @@ class QwenVLAdapter(VLMAdapter):
         return QwenVLAdapter(model, tokenizer, image_processor)
 
     def resized_size(self, image: Image.Image) -> tuple[int, int]:
-        image = safe_image(image)
+        width, height = safe_size(image.size)
         processor = self.image_processor
-        height, width = smart_resize(
-            image.height,
-            image.width,
-            factor=processor.patch_size * processor.merge_size,
-            min_pixels=processor.size["shortest_edge"],
-            max_pixels=processor.size["longest_edge"],
-        )
+        try:
+            height, width = smart_resize(
+                height,
+                width,
+                factor=processor.patch_size * processor.merge_size,
+                min_pixels=processor.size["shortest_edge"],
+                max_pixels=processor.size["longest_edge"],
+            )
+        except ValueError as err:  # smart_resize's one refusal: too extreme an aspect ratio
+            raise ImageSizeError(
+                f"image of {image.width}x{image.height} pixels cannot be resized for the model ({err})"
+            ) from None
         return width, height
 
     def encode_image(self, image: Image.Image) -> ImageInput:
+        self.resized_size(image)  # the processor's own refusal, raised as ImageSizeError
         image = safe_image(image)
         processed = self.image_processor(images=[image], return_tensors="pt")
         grid = processed["image_grid_thw"][0]

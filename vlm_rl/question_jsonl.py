@@ -16,6 +16,9 @@ from PIL import Image
 
 from vlm_rl.tasks import Box, ZoomExample
 
+# what PIL raises for a file or bytes that are not an image it can read
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+
 
 @dataclass(frozen=True)
 class MCQuestion:

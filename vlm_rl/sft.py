@@ -113,6 +113,8 @@ class VLMSFTTrainer(Trainer):
         self.adapter = load_or_build(cfg.model, cfg.data, cfg.seed).to(self.accelerator.device)
         self.train_set = QuestionSet(cfg.data, "train")
         heldout = QuestionSet(cfg.data, "heldout")
+        self.train_set.check_images(self.adapter)  # refused now, not at the step that draws it
+        heldout.check_images(self.adapter)
         self.heldout = [heldout[i] for i in range(len(heldout))]
         visual = list(self.adapter.model.model.visual.parameters())
         in_visual = {id(p) for p in visual}

@@ -50,7 +50,11 @@ ERROR_KINDS = (
     "inverted_box",  # x2 < x1 or y2 < y1
     "outside_image",  # nothing of the box is left after clamping to the image
     "bad_image_index",  # image_index not an integer, or no such image
+    "too_thin",  # the crop's long side is more than MAX_ASPECT_RATIO times its short side
 )
+# Qwen2-VL's image processor (smart_resize) refuses an image whose long side is more than 200 times its
+# short side, so a crop beyond it is a call the model got wrong, answered with an error, not a crash
+MAX_ASPECT_RATIO = 200
 CoordinateSpace = Literal["auto", "normalized", "pixels", "resized"]
 Box = tuple[float, float, float, float]
 PixelBox = tuple[int, int, int, int]
@@ -315,6 +319,14 @@ class ImageStore:
         left, right = _fit_axis(x1, x2, self.settings.padding, self.settings.min_size, original.width)
         top, bottom = _fit_axis(y1, y2, self.settings.padding, self.settings.min_size, original.height)
         box = (left, top, right, bottom)
+        long_side, short_side = max(right - left, bottom - top), min(right - left, bottom - top)
+        if long_side > MAX_ASPECT_RATIO * short_side:
+            return _error_observation(
+                "too_thin",
+                f"the crop [{left}, {top}, {right}, {bottom}] is {right - left}x{bottom - top} original "
+                f"pixels, more than {MAX_ASPECT_RATIO} times longer than wide, which the model cannot see; "
+                "give a box nearer to square.",
+            )
         image = original.crop(box)
         self.images.append(image)
         self.boxes.append(box)

@@ -92,6 +92,8 @@ class ToolGRPOTrainer(Trainer):
             self.accelerator.num_processes,
             self.accelerator.device,
         )
+        self.train_set.check_images(self.adapter)  # refused now, not at the step that draws it
+        heldout.check_images(self.adapter)
         self.heldout = [heldout[i] for i in range(len(heldout))]
         self.engine = None
         if cfg.rollout.backend == "vllm":
