@@ -213,8 +213,9 @@ def test_quota_refill_keys_prefix_groups_and_node_advantages(policy, questions):
 
     tree.set_leaf_rewards(torch.tensor([1.0, 0.0, 0.0, 0.0]))
     node_adv = fused_node_advantages(tree.trees, tree_depthwise, "mean", clip=5.0)
-    std1 = math.sqrt(((0.5 - 1 / 6) ** 2 + 2 * (1 / 6) ** 2) / 3)  # fused A = 0.5, B = R = 0
-    expected = {a: (1 / 3) / std1, b: -(1 / 6) / std1, r: -(1 / 6) / std1, a0: 1.0, a1: -1.0}
+    # BranchGRPO's unbiased std per depth: fused A = 0.5, B = R = 0 at depth 1; A0 = 1, A1 = 0 at depth 2
+    std1, std2 = math.sqrt(((0.5 - 1 / 6) ** 2 + 2 * (1 / 6) ** 2) / 2), math.sqrt(0.5)
+    expected = {a: (1 / 3) / std1, b: -(1 / 6) / std1, r: -(1 / 6) / std1, a0: 0.5 / std2, a1: -0.5 / std2}
     assert {n: node_adv[(0, n)] for n in expected} == pytest.approx(expected, rel=1e-4)
     per_token = tree.token_advantages(node_adv)
     for k, leaf in enumerate(tree.leaves):
@@ -225,7 +226,7 @@ def test_quota_refill_keys_prefix_groups_and_node_advantages(policy, questions):
     # leaf A0: its zoom turn (and the crop shown after it) carries A's advantage, its answer A0's
     zoom = len(policy.segment(TOOL))
     assert per_token[0][prompt : prompt + zoom].tolist() == pytest.approx([expected[a]] * zoom, rel=1e-4)
-    assert per_token[0][-4:].tolist() == pytest.approx([1.0] * 4, rel=1e-4)
+    assert per_token[0][-4:].tolist() == pytest.approx([expected[a0]] * 4, rel=1e-4)
 
 
 def test_a_turn_goes_on_across_segments_and_truncates_at_max_new_tokens(policy, questions):
@@ -265,13 +266,20 @@ def trainer_for(tmp_path, recipe, *overrides):
 
 
 def test_a_flat_tree_trains_like_the_flat_group(tmp_path):
-    """branching [G] with tree_depthwise gives grpo's loss and update on the same conversations."""
+    """branching [G] with the depthwise estimator gives grpo's loss and update on the same conversations
+    (its population-std form, as grpo's; `tree_depthwise`'s unbiased std scales them by sqrt(G/(G-1)))."""
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
     runs = {}
     for name, overrides in {
         "flat": ["train.advantage=grpo"],
-        "tree": ["rollout.tree.enabled=true", "rollout.tree.branching=[4]", "train.advantage=tree_depthwise"],
-        "flat_tree_estimator": ["train.advantage=tree_depthwise"],  # flat groups as depth-1 trees
+        "tree": [
+            "rollout.tree.enabled=true",
+            "rollout.tree.branching=[4]",
+            "train.advantage=tree_depthwise_population_std",
+        ],
+        "flat_tree_estimator": [
+            "train.advantage=tree_depthwise_population_std"
+        ],  # flat groups as depth-1 trees
     }.items():
         trainer = trainer_for(tmp_path / name, "vlm/tool_grpo", "train.kl_coef=0.1", *overrides)
         trainer.reward_fn = lambda texts, **kwargs: rewards
