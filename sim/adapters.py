@@ -10,6 +10,11 @@ Our interface: dict observations with "state" (a flat float32 vector) and option
 so that one observation vector holding both the robot's and an object's poses can be split into the
 proprioception a policy sees and the privileged rest).
 
+What an env returns is checked at every observation, reset included: every number of the keys that
+"state" reads must be finite, and a camera frame from `render()` must be HxWx3 of the image space's
+size, uint8, or floating point in [0, 1] (converted to uint8 as round(255 * x)). Anything else is an
+`ObservationError` naming the env, the observation key, when it happened and the fix.
+
 `EXTERNAL_TASKS` lists the external tasks the trainers accept by their gymnasium id and
 `EXTERNAL_EXPERTS` their scripted experts; both are filled by `sim.register_task` (FetchReach by
 `import sim`, a user's task by their module, e.g. loaded with `mmrl --plugin`). `sim.make` builds them
@@ -32,6 +37,40 @@ from sim.env import OBS_MODES
 SuccessFn = Callable[[Any, dict[str, Any]], bool]
 PartSpec = Union["StatePart", tuple[Any, ...]]  # see StatePart.of
 WHOLE_OBSERVATION = "observation"  # the key that names a non-Dict observation in a StatePart
+IMAGE_FIX = "return HxWx3 uint8 frames (0-255), or floats in [0, 1]"
+
+
+class ObservationError(ValueError):
+    """An env's observation breaks our interface's contract (see the module docstring); the message
+    names the env, the observation key, when (at reset, or the step of the episode) and the fix."""
+
+
+def rgb_frame(frame: Any, shape: tuple[int, ...] | None) -> np.ndarray:
+    """`frame` as an HxWx3 uint8 image: uint8 as it is, floats in [0, 1] as round(255 * x). A frame of
+    another dtype, shape (`shape` when given), with NaN or out of [0, 1] is a ValueError saying so."""
+    if frame is None:
+        raise ValueError("is None (no frame: the env must be made with render_mode='rgb_array')")
+    frame = np.asarray(frame)
+    if frame.ndim != 3 or frame.shape[2] != 3:
+        raise ValueError(f"has shape {frame.shape}, not HxWx3 (RGB): {IMAGE_FIX}")
+    if shape is not None and frame.shape != tuple(shape):
+        raise ValueError(
+            f"has shape {frame.shape}, but the task's images are {tuple(shape)}: draw the frames at the "
+            "width and height the env is made with"
+        )
+    if frame.dtype == np.uint8:
+        return frame
+    if frame.dtype.kind != "f":
+        raise ValueError(f"holds {frame.dtype} values: {IMAGE_FIX}")
+    if not np.isfinite(frame).all():
+        raise ValueError(f"holds NaN or infinite values: {IMAGE_FIX}")
+    low, high = float(frame.min()), float(frame.max())
+    if low < 0.0 or high > 1.0:
+        raise ValueError(
+            f"holds {frame.dtype} values in [{low:.4g}, {high:.4g}], outside [0, 1]: {IMAGE_FIX} "
+            "(floats of 0-255 as frame.astype(np.uint8))"
+        )
+    return np.rint(frame * 255.0).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -156,6 +195,10 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
     rest is privileged state for experts, supervisors and critics. `state_layout` names the parts.
     With `instruction_from_info`, each episode's instruction is the env's own `info["instruction"]`
     (a multi-task env; `instruction` then only lists the words they use).
+
+    Every observation is checked (module docstring): a non-finite number in a key that "state" reads,
+    or a frame that is not an image, is an ObservationError naming the env, the key and the step.
+    `render()` returns the checked uint8 frame.
     """
 
     def __init__(
@@ -224,6 +267,8 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             spaces["image"] = gym.spaces.Box(0, 255, image_shape or _probe_frame_shape(env), np.uint8)
         self.observation_space = gym.spaces.Dict(spaces)
         self._state = np.zeros(size, np.float32)
+        self._seed: int | None = None  # of the latest reset, and the steps since: where a fault shows
+        self._steps = 0
 
     def get_state(self) -> np.ndarray:
         """The state vector of the latest observation (what experts and supervisors act on)."""
@@ -231,10 +276,12 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         obs, info = self.env.reset(seed=seed, options=options)
+        self._seed, self._steps = seed, 0
         return self._obs(obs), self._info(info, success=False)
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
+        self._steps += 1
         success = self._success(obs, info)
         info = self._info(info, success, env_reward=float(reward))
         if self.sparse_reward:
@@ -252,6 +299,52 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             )
         return bool(info[self.success_key])
 
+    def render(self) -> np.ndarray:
+        """The env's camera frame, checked and converted to HxWx3 uint8 (`rgb_frame`), or an
+        ObservationError naming the env and the step."""
+        try:
+            frame = self.env.render()
+        except Exception as err:  # the user's env may raise anything: one line, naming it
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            raise ObservationError(
+                f"env {self._name()}: {self._when()}, render() raised {reason}: the task's camera frames "
+                "need an env that renders with render_mode='rgb_array'"
+            ) from err
+        space = self.observation_space.spaces.get("image")
+        try:
+            return rgb_frame(frame, space.shape if space is not None else None)
+        except ValueError as err:
+            raise ObservationError(
+                f"env {self._name()}: {self._when()}, observation 'image' (its render() frame) {err}"
+            ) from None
+
+    def _name(self) -> str:
+        spec = self.env.spec
+        return spec.id if spec is not None else type(self.env.unwrapped).__name__
+
+    def _when(self) -> str:
+        if self._steps == 0:
+            return "at reset" if self._seed is None else f"at reset (seed {self._seed})"
+        episode = "" if self._seed is None else f" of the episode reset with seed {self._seed}"
+        return f"at step {self._steps}{episode}"
+
+    def _check_finite(self) -> None:
+        """An ObservationError naming the observation key and state part of the first non-finite
+        entry of the state, if any."""
+        bad = np.flatnonzero(~np.isfinite(self._state))
+        if not len(bad):
+            return
+        name, where = next((n, s) for n, s in self.state_layout.items() if s.start <= bad[0] < s.stop)
+        part = next((p for p in self._parts or () if p.name == name), None)
+        key = part.key if part is not None else WHOLE_OBSERVATION
+        offset = int(bad[0] - where.start) + (part.start if part is not None else 0)
+        value = "NaN" if np.isnan(self._state[bad[0]]) else "an infinite value"
+        raise ObservationError(
+            f"env {self._name()}: {self._when()}, observation {key!r} holds {value} (entry {offset}, state "
+            f"part {name!r}; {len(bad)} non-finite state entries): an env must return finite observations; "
+            "fix the env, or end the episode (terminated) before its state breaks"
+        )
+
     def _obs(self, obs) -> dict[str, np.ndarray]:
         space = self.env.observation_space
         if self._parts is None:
@@ -266,9 +359,10 @@ class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
             self._state = np.concatenate([flat[p.key][p.start : p.stop] for p in self._parts]).astype(
                 np.float32
             )
+        self._check_finite()
         out = {"state": self._state.copy()}
         if self.image:
-            out["image"] = np.asarray(self.env.render(), dtype=np.uint8)
+            out["image"] = self.render()
         return out
 
     def _info(self, info: dict[str, Any], success: bool, **extra: Any) -> dict[str, Any]:
@@ -422,6 +516,13 @@ class ExternalTask:
             )
         except ValueError as err:
             raise ValueError(f"task {self.env_id}: {err}; fix its sim.register_task call") from None
+        except TypeError as err:  # the env's constructor refused the arguments it was made with
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            camera = ", with camera frames it takes render_mode, width and height" if image else ""
+            raise ValueError(
+                f"task {self.env_id}: gymnasium.make({self.env_id!r}, ...) failed ({reason}): the env is "
+                f"made with the task's make_kwargs{camera}; fix the env or its sim.register_task call"
+            ) from None
 
 
 FETCH_REACH = ExternalTask(

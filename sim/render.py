@@ -21,6 +21,10 @@ _LIVE: weakref.WeakSet[CameraRenderer] = weakref.WeakSet()
 _hook_registered = False
 
 
+class RenderingError(RuntimeError):
+    """MuJoCo cannot render offscreen here; the message says what to install or set."""
+
+
 def _close_all() -> None:
     for renderer in list(_LIVE):
         renderer.close()
@@ -38,7 +42,7 @@ class CameraRenderer:
             and not os.environ.get("DISPLAY")
         ):
             # GLFW aborts the whole process without a display; fail with a reason instead
-            raise RuntimeError(
+            raise RenderingError(
                 "mujoco chose its GLFW (windowed) backend, which needs a display: libEGL is not installed "
                 "(Debian: apt-get install libegl1 libopengl0 libegl-mesa0 libgl1-mesa-dri), or mujoco was "
                 "imported before MUJOCO_GL was set. Install EGL and import sim before mujoco (sim sets "
@@ -47,7 +51,7 @@ class CameraRenderer:
         try:
             self._renderer = mujoco.Renderer(model, height=height, width=width)
         except Exception as err:  # the backend's own errors are cryptic; say what to check
-            raise RuntimeError(
+            raise RenderingError(
                 f"could not create a headless MuJoCo renderer ({type(err).__name__}: {err}). "
                 "Headless rendering needs MUJOCO_GL=egl (GPU or Mesa EGL) or MUJOCO_GL=osmesa set before "
                 "mujoco is first imported (importing sim first sets egl), or use obs_mode='state'."

@@ -15,6 +15,8 @@ import torch
 
 from mmrl.config import ConfigError
 from vla_rl.lerobot_checks import (
+    REDO,
+    TIMESTAMP_TOLERANCE_S,
     check_columns,
     check_fit,
     column_values,
@@ -99,7 +101,48 @@ class RobotDataset(torch.utils.data.Dataset):
                 f"{self.root}: frames have task_index values {tasks.min()}..{tasks.max()}, but {TASKS_PATH} "
                 f"holds {len(self.tasks)} tasks: record the dataset again"
             )
+        self._check_time_order(columns["frame_index"], columns["timestamp"])
         return columns
+
+    def _check_time_order(self, frame_index: np.ndarray, timestamp: np.ndarray) -> None:
+        """Within each episode, frame_index runs 0, 1, 2, ... in row order and each timestamp is 1/fps
+        after the one before, within LeRobot's tolerance (TIMESTAMP_TOLERANCE_S), as LeRobot checks
+        when it loads a dataset; a ConfigError names the data file, the episode, the row and what was
+        expected."""
+        lengths = [e["length"] for e in self.episodes]
+        position = np.arange(len(frame_index)) - np.repeat(
+            [e["dataset_from_index"] for e in self.episodes], lengths
+        )
+        bad = np.flatnonzero(frame_index != position)
+        if len(bad):
+            i = int(bad[0])
+            raise ConfigError(
+                f"{self._row(i)} has frame_index {frame_index[i]}, expected {position[i]}: an episode's rows "
+                f"hold its frames in time order, frame_index 0, 1, 2, ...: {REDO}"
+            )
+        period = 1.0 / self.fps
+        gaps = np.diff(timestamp.astype(np.float64))
+        wrong = np.flatnonzero((position[1:] > 0) & ~(np.abs(gaps - period) <= TIMESTAMP_TOLERANCE_S))
+        if len(wrong):
+            i = int(wrong[0]) + 1
+            raise ConfigError(
+                f"{self._row(i)} (frame {position[i]}) has timestamp {timestamp[i]:.6g} s, "
+                f"{gaps[i - 1]:.6g} s after the frame before; at fps {self.fps} ({INFO_PATH}) frames are "
+                f"{period:.6g} s apart (to within {TIMESTAMP_TOLERANCE_S:g} s): {REDO}, "
+                f"or fix fps in {INFO_PATH}"
+            )
+
+    def _row(self, i: int) -> str:
+        """Frame i of the dataset by data file, episode and row in that file, for error messages."""
+        episode = next(e for e in self.episodes if e["dataset_from_index"] <= i < e["dataset_to_index"])
+        place = (episode["data/chunk_index"], episode["data/file_index"])
+        first = min(
+            e["dataset_from_index"]
+            for e in self.episodes
+            if (e["data/chunk_index"], e["data/file_index"]) == place
+        )
+        path = self.root / self.info["data_path"].format(chunk_index=place[0], file_index=place[1])
+        return f"{path}: episode {episode['episode_index']}, row {i - first}"
 
     def __len__(self) -> int:
         return len(self._columns["index"])

@@ -19,12 +19,18 @@ One episode per reset seed, in waves of len(envs) environments stepped in lockst
 Random draws come in a fixed order, so seeded runs repeat: env resets with each episode's seed at the
 start of its wave; once per lockstep step, the controller's generator for the rows it samples; the
 noise generator of each episode (seeded with its reset seed) once per step of that episode.
+
+What the user's code gives the loop is checked: an env observation its adapter refuses
+(`sim.adapters.ObservationError`: NaN, a frame that is not an image) and a scripted expert that raises
+or returns a non-finite action stop the run (`mmrl.trainer.TrainingStopped`) with one line naming the
+env or expert, the task and the step. Runs check the first observation and the expert's first action
+in their setup (`check_first_observation`), so that a fault there is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmrl.config import ConfigError
+from mmrl.trainer import TrainingStopped
 from vla_rl.supervisor import Supervisor, TakeoverRule
 
 if TYPE_CHECKING:
@@ -175,6 +183,93 @@ class Progress(Recorder):
         self.bar.update(1)
 
 
+def task_name(env: gym.Env) -> str:
+    """The env's gymnasium id (the task's name in configs), or its class's name."""
+    spec = getattr(env, "spec", None)
+    return spec.id if spec is not None else type(getattr(env, "unwrapped", env)).__name__
+
+
+def when(seed: int, steps: int) -> str:
+    """Where in an episode something happened, as the env adapters say it."""
+    if steps == 0:
+        return f"at reset (seed {seed})"
+    return f"at step {steps} of the episode reset with seed {seed}"
+
+
+def _expert_name(expert: Expert) -> str:
+    cls = type(expert)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@contextlib.contextmanager
+def expert_errors(expert: Expert, task: str, moment: str) -> Iterator[None]:
+    """Re-raise what the scripted expert's code raises as TrainingStopped, one line naming the expert,
+    the task, the exception and `moment` (e.g. `when(seed, steps)`)."""
+    try:
+        yield
+    except Exception as err:  # the expert is the user's code: it may raise anything
+        reason = " ".join(f"{type(err).__name__}: {err}".split())
+        raise TrainingStopped(
+            f"the scripted expert {_expert_name(expert)} of task {task} raised {reason} {moment}: fix the "
+            "expert (the class given to sim.register_task(..., expert=...))"
+        ) from err
+
+
+def expert_action(expert: Expert, task: str, moment: str, act: Callable[..., Any], *args: Any) -> np.ndarray:
+    """`act(*args)` (`expert` or one of its methods) as a float32 action, or TrainingStopped naming the
+    expert, the task and `moment` if it raises or returns a non-finite action."""
+    with expert_errors(expert, task, moment):
+        action = np.asarray(act(*args), dtype=np.float32)
+    if not np.isfinite(action).all():
+        raise TrainingStopped(
+            f"the scripted expert {_expert_name(expert)} of task {task} returned the non-finite action "
+            f"{np.round(action, 4).tolist()} {moment}: fix the expert (the class given to "
+            "sim.register_task(..., expert=...))"
+        )
+    return action
+
+
+@contextlib.contextmanager
+def env_faults() -> Iterator[None]:
+    """An observation an env's adapter refuses (`sim.adapters.ObservationError`, whose message names the
+    env, the key and the step) stops the run: TrainingStopped with that message."""
+    from sim.adapters import ObservationError
+
+    try:
+        yield
+    except ObservationError as err:
+        raise TrainingStopped(str(err)) from None
+
+
+def check_first_observation(env: gym.Env, seed: int, key: str, expert: Expert | None = None) -> None:
+    """Reset `env` with `seed` and refuse, as a ConfigError naming config `key` (the one that names
+    the task), a first observation its adapter refuses (`sim.adapters.ObservationError`), a camera that
+    cannot render (`sim.render.RenderingError`) or, with `expert`, a first state the scripted expert
+    fails on. Runs call it in their setup, before anything is written; every episode resets with its
+    own seed, so the extra reset changes nothing in the run."""
+    from sim.adapters import ObservationError
+    from sim.render import RenderingError
+
+    task = task_name(env)
+    try:
+        env.reset(seed=seed)
+        if expert is not None:
+            expert_action(expert, task, when(seed, 0), expert.act, env)
+    except (ObservationError, RenderingError, TrainingStopped) as err:
+        raise ConfigError(f"config error: {key} = {task!r}: {err}") from None
+
+
+def make_env(task: str, key: str, **kwargs: Any) -> gym.Env:
+    """`sim.make(task, **kwargs)`, or a ConfigError naming config `key` that says why the task's env
+    cannot be made (e.g. an external task's state parts that do not fit its observations)."""
+    import sim
+
+    try:
+        return sim.make(task, **kwargs)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"config error: {key} = {task!r}: {err}") from None
+
+
 @contextlib.contextmanager
 def evaluating(policy: nn.Module) -> Iterator[None]:
     """The policy in eval mode (no dropout) while it acts, then back in the mode it was in."""
@@ -209,9 +304,10 @@ def run_episodes(
     outcomes: list[Outcome] = []
     for first in range(0, len(seeds), len(envs)):
         wave = [int(seed) for seed in seeds[first : first + len(envs)]]
-        outcomes += _run_wave(
-            envs[: len(wave)], wave, first, controller, expert, supervisor, action_noise, recorders
-        )
+        with env_faults():
+            outcomes += _run_wave(
+                envs[: len(wave)], wave, first, controller, expert, supervisor, action_noise, recorders
+            )
     return outcomes
 
 
@@ -250,16 +346,18 @@ def _run_wave(
             proposed = controller.propose(obs, instructions, policy_rows)
         for j in rows:
             env = envs[j]
-            by_expert, expert_action, chunk_index = j not in policy_rows, None, -1
+            by_expert, expert_chose, chunk_index = j not in policy_rows, None, -1
+            task, moment = task_name(env), when(seeds[j], int(steps[j]))
             if not by_expert and supervisor is not None:  # the supervisor looks before the policy acts
                 state = env.get_wrapper_attr("get_state")()
-                expert_action = np.asarray(expert(state), dtype=np.float32)
-                release_fails = supervisor.rule.release_guard and expert.release_fails(state)
-                by_expert = supervisor.before_policy_step(j, proposed[j], expert_action, release_fails)
+                expert_chose = expert_action(expert, task, moment, expert, state)
+                with expert_errors(expert, task, moment):
+                    release_fails = supervisor.rule.release_guard and expert.release_fails(state)
+                by_expert = supervisor.before_policy_step(j, proposed[j], expert_chose, release_fails)
             if by_expert:
-                if expert_action is None:
-                    expert_action = np.asarray(expert.act(env), dtype=np.float32)
-                action = expert_action
+                if expert_chose is None:
+                    expert_chose = expert_action(expert, task, moment, expert.act, env)
+                action = expert_chose
                 expert_steps[j] += 1
                 if supervisor is not None and supervisor.after_expert_step(j):
                     controller.hand_back(j)
@@ -289,5 +387,5 @@ def _run_wave(
                 for recorder in recorders:
                     recorder.end(first + j, outcome)
             elif not by_expert and supervisor is not None:
-                supervisor.after_policy_step(j, int(steps[j]), action, expert_action)
+                supervisor.after_policy_step(j, int(steps[j]), action, expert_chose)
     return outcomes

@@ -57,7 +57,17 @@ from tqdm.auto import tqdm
 
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
-from vla_rl.episodes import Outcome, PolicyActs, Progress, Recorder, Step, evaluating, run_episodes
+from vla_rl.episodes import (
+    Outcome,
+    PolicyActs,
+    Progress,
+    Recorder,
+    Step,
+    evaluating,
+    expert_errors,
+    run_episodes,
+    task_name,
+)
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
 from vla_rl.supervisor import TakeoverRule, action_gap
@@ -108,17 +118,24 @@ class FailureModes(Recorder):
     def __init__(self, expert: Expert) -> None:
         self.expert = expert
         self.states: dict[int, list[np.ndarray]] = {}
+        self.tasks: dict[int, str] = {}
         self.failures: dict[int, str] = {}
 
     def begin(self, k: int, env: Any, obs: Any, info: Any) -> None:
         self.states[k] = [env.get_wrapper_attr("get_state")()]
+        self.tasks[k] = task_name(env)
 
     def step(self, k: int, env: Any, step: Step) -> None:
         self.states[k].append(env.get_wrapper_attr("get_state")())
 
     def end(self, k: int, outcome: Outcome) -> None:
         states = np.stack(self.states.pop(k))
-        if not outcome.success and (how := self.expert.failure(states)) is not None:
+        if outcome.success:
+            return
+        moment = f"in failure(), naming how the episode reset with seed {outcome.seed} failed"
+        with expert_errors(self.expert, self.tasks.pop(k), moment):
+            how = self.expert.failure(states)
+        if how is not None:
             self.failures[k] = how
 
 
@@ -134,10 +151,18 @@ class ExpertGaps(Recorder):
         self.largest: dict[int, float] = {}
         self._gaps: dict[int, deque[float]] = {}
         self._expert_action: dict[int, np.ndarray] = {}  # the expert's action at the episode's state now
+        self._steps: dict[int, int] = {}  # steps taken in each episode
 
     def begin(self, k: int, env: Any, obs: Any, info: Any) -> None:
         self._gaps[k] = deque(maxlen=self.window)
-        self._expert_action[k] = self.expert.act(env)
+        self._steps[k] = 0
+        self._expert_action[k] = self._act(k, env)
+
+    def _act(self, k: int, env: Any) -> np.ndarray:
+        """The expert's action at the episode's state now, or TrainingStopped naming the expert."""
+        moment = f"at step {self._steps[k]} of evaluation episode {k} (measuring gap_window)"
+        with expert_errors(self.expert, task_name(env), moment):
+            return self.expert.act(env)
 
     def step(self, k: int, env: Any, step: Step) -> None:
         gaps = self._gaps[k]
@@ -147,10 +172,11 @@ class ExpertGaps(Recorder):
             gaps.append(action_gap(step.action, self._expert_action[k]))
             if len(gaps) == self.window:
                 self.largest[k] = max(self.largest.get(k, 0.0), float(np.mean(gaps)))
-        self._expert_action[k] = self.expert.act(env)
+        self._steps[k] += 1
+        self._expert_action[k] = self._act(k, env)
 
     def end(self, k: int, outcome: Outcome) -> None:
-        del self._gaps[k], self._expert_action[k]
+        del self._gaps[k], self._expert_action[k], self._steps[k]
 
 
 class VideoFrames(Recorder):

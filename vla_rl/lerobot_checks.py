@@ -39,6 +39,7 @@ from vla_rl.lerobot_format import (
 )
 
 REDO = "restore the file or record the dataset again"
+TIMESTAMP_TOLERANCE_S = 1e-4  # LeRobot's: consecutive frames of an episode are 1/fps apart to within this
 
 
 INDEX_FEATURES = ("frame_index", "episode_index", "index", "task_index")

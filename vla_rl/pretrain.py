@@ -13,21 +13,26 @@ so that RL has room to improve it.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
-from mmrl.trainer import Trainer, warmup_cosine
+from mmrl.trainer import Trainer, TrainingStopped, warmup_cosine
 from vla_rl.dataset import RobotDataset, open_dataset
+from vla_rl.episodes import check_first_observation, make_env
 from vla_rl.evaluate import TASK_HELP, evaluate_policy
 from vla_rl.lerobot_checks import check_dataset
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
 from vla_rl.policy import VLAConfig, VLAPolicy, chunk_nll, random_shift, task_vocabulary
 from vla_rl.recording import expert_demonstrations
+
+if TYPE_CHECKING:
+    from sim.experts import Expert
 
 
 @dataclass
@@ -85,6 +90,16 @@ class VLAEvalConfig:
     num_envs: int = option(8, "environments stepped in lockstep, one batched policy call per step", min=1)
 
 
+def task_expert(task: str, key: str) -> Expert:
+    """The scripted expert of `task`, or a ConfigError naming config `key` for a task that has none."""
+    from sim.experts import expert_for
+
+    try:
+        return expert_for(task)
+    except TypeError as err:  # an external task registered without one
+        raise ConfigError(f"config error: {key} = {task!r}: {err}") from None
+
+
 def checked_task(task: str, key: str) -> str:
     """The gymnasium id of a sim task (ours or external) named in config `key`, or a ConfigError that
     says what is wrong (an unknown name, or an external task whose package is not installed)."""
@@ -133,10 +148,9 @@ class VLABCConfig(BaseConfig):
 
 
 def policy_features(task: str, image_size: int) -> dict[str, tuple[int, ...]]:
-    """The dataset features the policy trains on for `task`, with their shapes (images (H, W, C))."""
-    import sim
-
-    env = sim.make(task, obs_mode="state")
+    """The dataset features the policy trains on for `task` (config data.task), with their shapes
+    (images (H, W, C))."""
+    env = make_env(task, "data.task", obs_mode="state")
     try:
         state, action = env.observation_space["state"].shape, env.action_space.shape
     finally:
@@ -146,20 +160,31 @@ def policy_features(task: str, image_size: int) -> dict[str, tuple[int, ...]]:
 
 def demonstrations(cfg: VLABCConfig, run_dir: os.PathLike) -> RobotDataset:
     """The dataset at data.path, or the run's recorded demonstrations (recorded now if absent), checked
-    to fit the policy."""
+    to fit the policy. The run has not started while they are recorded: an env or expert that fails
+    then (TrainingStopped from the episode loop) is a ConfigError naming data.task, and what was
+    recorded until then is removed (with the run directory, when the recording made it)."""
     required = policy_features(cfg.data.task, cfg.data.image_size)
     if cfg.data.path is not None:
         return open_dataset(cfg.data.path, "data.path", required)
-    return expert_demonstrations(
-        os.path.join(run_dir, "demos"),
-        cfg.data.task,
-        cfg.data.episodes,
-        cfg.data.seed,
-        required,
-        key="data.episodes",
-        image_size=cfg.data.image_size,
-        action_noise=cfg.data.action_noise,
-    )
+    root, made_run_dir = os.path.join(run_dir, "demos"), not os.path.exists(run_dir)
+    try:
+        return expert_demonstrations(
+            root,
+            cfg.data.task,
+            cfg.data.episodes,
+            cfg.data.seed,
+            required,
+            key="data.episodes",
+            image_size=cfg.data.image_size,
+            action_noise=cfg.data.action_noise,
+        )
+    except TrainingStopped as err:
+        shutil.rmtree(root + ".partial", ignore_errors=True)  # a refused run leaves nothing written
+        if made_run_dir and os.path.isdir(run_dir) and not os.listdir(run_dir):
+            os.rmdir(run_dir)
+        raise ConfigError(
+            f"config error: data.task = {cfg.data.task!r}: {err} (while recording its demonstrations)"
+        ) from None
 
 
 def object_positions(layout: dict[str, slice], proprio_dim: int) -> list[int]:
@@ -195,19 +220,25 @@ class VLABCTrainer(Trainer):
     config: VLABCConfig
 
     def setup(self) -> None:
+        """Check the task's first observation (and the expert's first action, when demonstrations are
+        recorded) before anything is written, read or record the demonstrations, build the policy."""
         cfg = self.config
+        env = make_env(cfg.data.task, "data.task", obs_mode="state+rgb", image_size=cfg.data.image_size)
+        try:
+            expert = None if cfg.data.path is not None else task_expert(cfg.data.task, "data.task")
+            seed = cfg.eval.seed if expert is None else cfg.data.seed  # the first episode the run resets
+            check_first_observation(env, seed, "data.task", expert)
+            proprio_dim = env.get_wrapper_attr("proprio_dim")
+            layout = env.get_wrapper_attr("state_layout")
+            instruction = env.get_wrapper_attr("instruction")
+        finally:
+            env.close()
         if self.is_main:
             demonstrations(cfg, self.run_dir)
         self.accelerator.wait_for_everyone()
         dataset = demonstrations(cfg, self.run_dir)
-        import sim
-
-        env = sim.make(cfg.data.task, obs_mode="state")
-        proprio_dim = env.get_wrapper_attr("proprio_dim")
-        layout = env.get_wrapper_attr("state_layout")
         # the words of the task's instructions and the demonstrations' (an external task's may be new)
-        instructions = [env.get_wrapper_attr("instruction"), *dataset.tasks]
-        env.close()
+        instructions = [instruction, *dataset.tasks]
         m = cfg.model
         policy_config = VLAConfig(
             vocabulary=task_vocabulary(instructions),

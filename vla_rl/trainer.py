@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,7 @@ from vla_rl.buffer import ReplayBuffer
 from vla_rl.config import VLAHABCConfig, branch_plan, check_env_size, group_seeds
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset, open_dataset
+from vla_rl.episodes import check_first_observation, expert_errors, make_env
 from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
 from vla_rl.grpo import update_branched_grpo, update_grpo
 from vla_rl.habc import Critics, CriticTargets, critic_losses
@@ -169,8 +171,8 @@ class VLAHABCTrainer(Trainer):
 
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Load the policy, make the training envs, the expert, the critics and the replay buffer."""
-        import sim
+        """Load the policy, make the training envs (their first observation and the expert's first
+        action checked), the expert, the critics and the replay buffer."""
         from sim.env import snapshot_error
         from sim.experts import expert_for
 
@@ -189,7 +191,9 @@ class VLAHABCTrainer(Trainer):
         kwargs: dict[str, Any] = {"obs_mode": "state+rgb", "image_size": self.policy.config.image_size}
         if cfg.rollout.max_episode_steps:
             kwargs["max_episode_steps"] = cfg.rollout.max_episode_steps
-        self.envs = [sim.make(cfg.rollout.task, **kwargs) for _ in range(cfg.rollout.num_envs)]
+        self.envs = [
+            make_env(cfg.rollout.task, "rollout.task", **kwargs) for _ in range(cfg.rollout.num_envs)
+        ]
         if self.branched and (problem := snapshot_error(self.envs[0])):
             raise ConfigError(
                 f"config error: grpo.branch_every = {cfg.grpo.branch_every} with rollout.task = "
@@ -203,7 +207,11 @@ class VLAHABCTrainer(Trainer):
                 f"entries, task {cfg.rollout.task} gives {proprio_dim}: "
                 "use a policy pretrained on a compatible task"
             )
-        self.expert = expert_for(cfg.rollout.task)
+        try:
+            self.expert = expert_for(cfg.rollout.task)
+        except TypeError as err:  # an external task registered without one
+            raise ConfigError(f"config error: rollout.task = {cfg.rollout.task!r}: {err}") from None
+        check_first_observation(self.envs[0], cfg.eval.seed, "rollout.task", self.expert)
         if not self.lerobot:  # a LeRobot policy's tokenizer reads any instruction
             added = self.policy.add_words(instruction_words(self.envs[0].get_wrapper_attr("instruction")))
             if added and self.is_main:  # before the optimizer, which must hold the grown embedding
@@ -508,7 +516,9 @@ class VLAHABCTrainer(Trainer):
                 pick = rows[torch.randint(len(rows), (n_online,), generator=generator)]
                 chunk, mask = tr.chunk_rows(pick, horizon, executed=not targets.relabel)
                 if targets.relabel:
-                    relabelled = self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
+                    moment = f"while relabelling the buffer's states (method {self.config.method})"
+                    with expert_errors(self.expert, self.config.rollout.task, moment):
+                        relabelled = self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
                     actions = torch.from_numpy(relabelled).reshape(*chunk.shape, -1).float()
                 else:
                     actions = tr.action[chunk]
@@ -562,7 +572,11 @@ class VLAHABCTrainer(Trainer):
                 plot_success(
                     curve, self.config.eval.episodes, self.config.method, self.run_dir / "success.png"
                 )
-                self.write_videos()
+                try:  # the run's results are saved: GIFs that cannot be made must not fail it
+                    self.write_videos()
+                except Exception as err:
+                    reason = " ".join(f"{type(err).__name__}: {err}".split())
+                    print(f"warning: the final policy's GIFs were not written ({reason})", file=sys.stderr)
         finally:
             for env in getattr(self, "envs", []):
                 env.close()
