@@ -379,3 +379,33 @@ def test_seeds_of_a_method_are_pooled_and_methods_compared_by_welch(tmp_path):
         }
     )
     assert "nft_lr minus nft (Welch's 95% interval)" in table and "nft (3 seeds)" in table
+
+
+def test_a_nan_score_is_written_as_null_and_named(two_models, tmp_path, monkeypatch, capsys):
+    """eval_diffusion.json stays strict JSON when a reward scores NaN (a model's bad output is data)."""
+    real = evaluate.build_reward
+
+    def nan_jpeg(name, options, key):
+        fn = real(name, options, key)
+        return (
+            (lambda images, **k: torch.full((len(images),), float("nan")))
+            if name == "jpeg_compressibility"
+            else fn
+        )
+
+    monkeypatch.setattr(evaluate, "build_reward", nan_jpeg)
+    cfg = DiffusionEvalConfig(
+        models=list(two_models),
+        num_prompts=2,
+        seeds=1,
+        steps=2,
+        rewards=["geneval_mini", "jpeg_compressibility"],
+        grid_prompts=0,
+        output_dir=str(tmp_path / "out"),
+    )
+    evaluate_models(cfg)
+    text = (tmp_path / "out" / "eval_diffusion.json").read_text()
+    written = json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in eval_diffusion.json"))
+    assert written["models"][two_models[0]]["jpeg_compressibility"]["mean"] is None
+    assert isinstance(written["models"][two_models[0]]["geneval_mini"]["mean"], float)
+    assert "jpeg_compressibility.mean = nan" in capsys.readouterr().err
