@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from mmrl.compare import group_methods, mean_ci95, method_labels, t_975
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
 from mmrl.runlog import write_json
+from mmrl.trainer import finite_or_named
 
 BETTER_BY = 0.01  # a prompt counts as better / worse when its mean reward moves by more than this
 BLANK_SIZE = 32  # side of the blank images each reward is tried on before sampling
@@ -345,10 +345,8 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
     results["methods"], results["between_methods"] = method_changes(results["models"], cfg.models)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    non_finite = write_json(out / "eval_diffusion.json", results)
-    if non_finite:
-        listed = ", ".join(f"{key} = {value}" for key, value in non_finite.items())
-        print(f"warning: non-finite values written as null in eval_diffusion.json: {listed}", file=sys.stderr)
+    finite_or_named(results, "the evaluation", "eval_diffusion.json")
+    write_json(out / "eval_diffusion.json", results)
     with open(out / "prompt_scores.jsonl", "w") as f:
         for i, prompt in enumerate(prompts):
             row: dict[str, Any] = {"prompt": prompt}

@@ -129,10 +129,11 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop rows logged after `step` (by a run killed past its last checkpoint) before resuming."""
+    """Drop the rows of the JSON-lines file `path` logged after `step` (by a run killed past its last
+    checkpoint, which the resumed run logs again), and a row cut short; the file is replaced whole."""
     if not path.is_file():
         return
-    kept = [row for row in read_metrics(path.parent) if row.get("step", 0) <= step]
+    kept = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
     replace_text(path, "".join(json.dumps(_plain_number(row), allow_nan=False) + "\n" for row in kept))
 
 

@@ -15,14 +15,12 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.advantages import check_group_size
-from mmrl.checkpoint import replace_text
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.examples.digits import (
     DIGITS,
@@ -38,7 +36,7 @@ from mmrl.losses import kl_to_reference
 from mmrl.noise import NoiseKey, keyed_rand_batch
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
-from mmrl.runlog import read_jsonl
+from mmrl.runlog import truncate_after
 from mmrl.samplers import build_sampler
 from mmrl.tree import RolloutTree, fused_node_advantages
 
@@ -210,16 +208,6 @@ def leaf_answers(tree: RolloutTree) -> tuple[list[int], torch.Tensor]:
     return leaves, torch.tensor([tree.nodes[n].state["tokens"] for n in leaves], dtype=torch.long)
 
 
-def drop_rows_from(path: Path, step: int) -> None:
-    """Remove the rows of `step` and later (and a row cut short) from the JSON-lines file `path`: what
-    a launch killed past its last checkpoint wrote, which the launch continuing from `step` writes
-    again. The file is replaced in one rename, so a kill leaves it whole."""
-    if not path.is_file():
-        return
-    kept = [row for row in read_jsonl(path) if row["step"] < step]
-    replace_text(path, "".join(json.dumps(row) + "\n" for row in kept))
-
-
 # ---------------------------------------------------------------------------------------------
 # Trainer
 
@@ -373,7 +361,7 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         path = self.samples_dir / f"rollouts_rank{rank}.jsonl"
         if self.samples_from is None:  # this launch's first rows
             self.samples_from = step
-            drop_rows_from(path, step)
+            truncate_after(path, step - 1)  # what a launch killed past its checkpoint wrote
         rows = []
         for prompt, tree in zip(prompts.tolist(), trees, strict=True):
             leaves, answers = leaf_answers(tree)
