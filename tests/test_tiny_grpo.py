@@ -7,6 +7,7 @@ import torch
 
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
+from mmrl.credit import assign_credit
 from mmrl.examples.digits import build_model
 from mmrl.examples.tiny_grpo import TinyGRPOTrainer, TinyRolloutConfig, sample_trees
 from mmrl.losses import LossOutput
@@ -151,16 +152,15 @@ def test_flat_credit_on_a_tree_trains_every_leaf_whole_answer_with_its_group_adv
     owners = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
     for t, leaf in owners:  # distinct rewards, so every advantage differs from its neighbours'
         trees[t].set_leaf_reward(leaf, float(leaf % 7) + t)
-    node_adv = trainer.node_advantages(trees)
-    assert set(node_adv) == set(owners)
+    credit = assign_credit(trees, "grpo")
+    assert credit.per_leaf and set(credit.leaves) == set(owners)
     rewards = torch.tensor([trees[t].nodes[leaf].reward for t, leaf in owners]).view(2, 16)
     expected = ADVANTAGES.get("grpo")(rewards.flatten(), torch.arange(2).repeat_interleave(16)).values
-    _, adv, mask = trainer.token_targets(trees, owners, node_adv)
+    _, adv, mask = trainer.token_targets(trees, owners, credit)
     assert torch.equal(mask, torch.ones_like(mask))
     torch.testing.assert_close(adv, expected[:, None].expand_as(adv))
     # node credit on the same trees counts each of a tree's 2 + 4 + 8 + 16 edges once
-    trainer.config.train.advantage = "tree_depthwise"
-    _, _, node_mask = trainer.token_targets(trees, owners, trainer.node_advantages(trees))
+    _, _, node_mask = trainer.token_targets(trees, owners, assign_credit(trees, "tree_depthwise"))
     assert node_mask.sum() == 2 * (2 + 4 + 8 + 16)
 
 

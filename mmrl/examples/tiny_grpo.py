@@ -22,6 +22,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.credit import Credit, assign_credit
 from mmrl.examples.digits import (
     DIGITS,
     DigitReversalTrainer,
@@ -38,7 +39,7 @@ from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from mmrl.runlog import truncate_after
 from mmrl.samplers import build_sampler
-from mmrl.tree import RolloutTree, fused_node_advantages
+from mmrl.tree import RolloutTree
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -265,7 +266,7 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         leaf_rewards = reversal_reward(leaf_prompts, answers)
         for (t, leaf), r in zip(owners, leaf_rewards.tolist(), strict=True):
             trees[t].set_leaf_reward(leaf, r)
-        node_adv = self.node_advantages(trees)
+        credit = assign_credit(trees, cfg.train.advantage, clip=cfg.train.adv_clip)
 
         # the sampler sees every process's groups, so its state stays identical on all ranks;
         # groups it filters out (e.g. dynamic_filter: all rewards equal) are not trained on
@@ -279,7 +280,7 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         keep_mine = keep[offset : offset + len(trees)].float().repeat_interleave(per_group.shape[1])
 
         # token-level training targets: each token belongs to one edge; count it once
-        old_logp, adv, mask = self.token_targets(trees, owners, node_adv)
+        old_logp, adv, mask = self.token_targets(trees, owners, credit)
         mask = mask * keep_mine.unsqueeze(-1)
         metrics: dict[str, Any] = {"groups_kept": keep.float().mean()}
         for _ in range(cfg.train.ppo_epochs):
@@ -314,29 +315,14 @@ class TinyGRPOTrainer(DigitReversalTrainer):
         metrics.update({k: v for k, v in out.metrics.items() if k in ("clip_fraction", "approx_kl")})
         return metrics
 
-    def node_advantages(self, trees: list[RolloutTree]) -> dict[tuple[int, int], float]:
-        """Keyed by (tree index, node id): a tree estimator's A(node) for every non-root node, or a group
-        estimator's A(leaf) with each tree's leaves as one group."""
-        cfg = self.config
-        if ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
-            estimator = ADVANTAGES.get(cfg.train.advantage)
-            return fused_node_advantages(trees, estimator, "mean", clip=cfg.train.adv_clip)
-        leaves = [(t, leaf) for t, tree in enumerate(trees) for leaf in tree.leaves()]
-        rewards = torch.tensor([trees[t].nodes[leaf].reward for t, leaf in leaves])
-        groups = torch.tensor([t for t, _ in leaves])
-        result = ADVANTAGES.get(cfg.train.advantage)(rewards, groups)
-        values = result.values * result.loss_mask
-        return {key: float(a) for key, a in zip(leaves, values, strict=True)}
-
     def token_targets(
-        self, trees: list[RolloutTree], owners: list[tuple[int, int]], node_adv: dict[tuple[int, int], float]
+        self, trees: list[RolloutTree], owners: list[tuple[int, int]], credit: Credit
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Old log-prob, advantage and mask per (leaf, answer token).
 
         Node credit trains each edge once, with A(edge's node). Flat credit (a group estimator) trains
         every leaf's whole answer with the leaf's advantage, so a shared edge counts once per leaf below it.
         """
-        flat_credit = not ADVANTAGES.has_kind(self.config.train.advantage, "tree")
         k = self.config.task.digits
         old_logp = torch.zeros(len(owners), k)
         adv = torch.zeros(len(owners), k)
@@ -349,8 +335,8 @@ class TinyGRPOTrainer(DigitReversalTrainer):
                 span = len(node.action)
                 position -= span
                 old_logp[row, position : position + span] = node.old_logp
-                adv[row, position : position + span] = node_adv.get((t, leaf if flat_credit else child), 0.0)
-                if flat_credit or (t, child) not in counted:
+                adv[row, position : position + span] = credit.path_advantage((t, leaf), (t, child))
+                if credit.per_leaf or (t, child) not in counted:
                     counted.add((t, child))
                     mask[row, position : position + span] = 1.0
         return old_logp, adv, mask
