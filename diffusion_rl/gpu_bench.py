@@ -39,9 +39,10 @@ from diffusion_rl.quantized_exploration import kendall_tau
 from diffusion_rl.replicas import save_replica
 from diffusion_rl.sampling import heldout_subset, sample_ode
 from diffusion_rl.shapes import heldout_prompts
+from mmrl.bench_gpu import GpuBenchOptions
 from mmrl.config import load_config
 from mmrl.precision import _fp8_kernel_ok, default_dtype, explore_precision
-from mmrl.registry import TRAINERS
+from mmrl.registry import GPU_BENCH_SECTIONS, TRAINERS
 
 FAMILIES = ("sd35m", "flux_dev")
 IMAGE_SIZE = {"full": 1024, "tiny": 64}
@@ -81,9 +82,11 @@ def fp8_layers(model: nn.Module) -> tuple[int, int]:
     return sum(_fp8_kernel_ok(m.weight) for m in linears), len(linears)
 
 
-def denoiser_step_rows(scale: str, device: torch.device, iterations: int, batch: int) -> list[dict]:
+@GPU_BENCH_SECTIONS.register("denoiser")
+def denoiser_step_rows(options: GpuBenchOptions, device: torch.device, workdir: Path) -> list[dict]:
     """One denoising step of each family's transformer, bfloat16 against FP8 (module docstring)."""
-    rows = [_denoiser_step_row(name, scale, device, iterations, batch) for name in FAMILIES]
+    o = options
+    rows = [_denoiser_step_row(name, o.scale, device, o.iterations, o.batch) for name in FAMILIES]
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -125,9 +128,11 @@ def _denoiser_step_row(name: str, scale: str, device: torch.device, iterations: 
     }
 
 
-def fp8_ranking_rows(device: torch.device, prompts: int, pool: int, steps: int) -> list[dict]:
+@GPU_BENCH_SECTIONS.register("ranking")
+def fp8_ranking_rows(options: GpuBenchOptions, device: torch.device, workdir: Path) -> list[dict]:
     """Kendall tau of each prompt's pool rewards, FP8 against bfloat16 on the same seeds, on the
     shipped shapes model (no guidance, ODE: how Sol-RL draws its pool)."""
+    prompts, pool, steps = options.pool_prompts, options.pool, options.pool_steps
     pipe = FlowPipeline.from_pretrained(resolve_model_path("diffusion_rl/assets/tiny_flow")).to(device)
     reward = geneval_mini(device=str(device))
     chosen = heldout_subset(prompts)
@@ -193,9 +198,11 @@ def peak_bytes_during(run: Callable[[], Any], device: torch.device) -> int | Non
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def tree_rows(scale: str, device: torch.device, iterations: int, workdir: Path) -> list[dict]:
+@GPU_BENCH_SECTIONS.register("tree")
+def tree_rows(options: GpuBenchOptions, device: torch.device, workdir: Path) -> list[dict]:
     """Flat GRPO (the recipe) and BranchGRPO on the same random SD3.5-Medium: seconds per iteration,
     peak memory, and the dry-run plan against that peak (module docstring)."""
+    scale, iterations = options.scale, options.iterations
     paths = random_models(scale, device, workdir)
     common = [
         f"model.path={paths['sd35m']}",

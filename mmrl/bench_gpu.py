@@ -1,7 +1,8 @@
 """`mmrl bench gpu`: the real architectures at full size with random weights, on one GPU.
 
 Nothing is downloaded: every model is built from its published config (`mmrl replica`), with random
-weights, which is all that speed and memory depend on. Sections, side by side in one run:
+weights, which is all that speed and memory depend on. The families register the sections
+(`mmrl.registry.GPU_BENCH_SECTIONS`), which run side by side in one run:
 
 - ``denoiser``: an SD3.5-Medium and a FLUX.1-dev denoising step, bfloat16 against FP8 exploration
   (target: FP8 at least 1.5x faster) (`diffusion_rl.gpu_bench`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,15 +31,28 @@ import torch
 
 from mmrl.bench_all import check_counts, jsonable, print_table, ratio_rows
 from mmrl.config import ConfigError, check_device, check_output_dir
-from mmrl.registry import BENCHES
+from mmrl.registry import BENCHES, GPU_BENCH_SECTIONS
 
-SECTIONS = ("denoiser", "ranking", "tree", "vlm")
 SCALES = ("full", "tiny")
 DEFAULT_OUTPUT = "runs/bench/gpu.json"
 NEEDS_CUDA = (
     "mmrl bench gpu: needs CUDA, and torch.cuda.is_available() is False here; run it on a GPU machine "
     "(`mmrl bench gpu device=cpu scale=tiny` runs its code on the tiny replicas)"
 )
+
+
+@dataclass(frozen=True)
+class GpuBenchOptions:
+    """What every section is given besides the device and the work directory (`bench_gpu`'s options)."""
+
+    scale: str
+    iterations: int
+    batch: int
+    pool: int
+    pool_prompts: int
+    pool_steps: int
+    rollouts: int
+    vllm: bool
 
 
 @BENCHES.register("gpu")
@@ -59,11 +74,12 @@ def bench_gpu(
     or training steps after a warm-up; `batch` latents per denoising step; `pool` seeds per prompt on
     `pool_prompts` prompts for the ranking, sampled with `pool_steps` ODE steps; `rollouts`
     conversations for the VLM rate."""
-    chosen = list(SECTIONS) if sections is None else sections
+    known = GPU_BENCH_SECTIONS.names()
+    chosen = known if sections is None else sections
     for name in chosen:
-        if name not in SECTIONS:
+        if name not in known:
             raise ConfigError(
-                f"config error: sections: unknown section {name!r}; choose from {', '.join(SECTIONS)}"
+                f"config error: sections: unknown section {name!r}; choose from {', '.join(known)}"
             )
     if scale not in SCALES:
         raise ConfigError(
@@ -84,15 +100,14 @@ def bench_gpu(
     check_output_dir(Path(output).parent, "output (its folder)")
     models = Path(workdir)
     models.mkdir(parents=True, exist_ok=True)
+    options = GpuBenchOptions(scale, iterations, batch, pool, pool_prompts, pool_steps, rollouts, vllm)
 
     rows: list[dict[str, Any]] = []
     seconds: dict[str, float] = {}
     for name in chosen:
         start = time.perf_counter()
         print(f"--- {name} ---", flush=True)
-        new = _section(
-            name, scale, where, iterations, batch, pool, pool_prompts, pool_steps, rollouts, vllm, models
-        )
+        new = GPU_BENCH_SECTIONS.get(name)(options, where, models)
         seconds[name] = time.perf_counter() - start
         for row in new:
             print("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items() if k != "section"), flush=True)
@@ -117,32 +132,6 @@ def bench_gpu(
     path.write_text(json.dumps(jsonable(document), indent=1))
     print(f"wrote {path}")
     return rows
-
-
-def _section(
-    name: str,
-    scale: str,
-    device: torch.device,
-    iterations: int,
-    batch: int,
-    pool: int,
-    pool_prompts: int,
-    pool_steps: int,
-    rollouts: int,
-    vllm: bool,
-    workdir: Path,
-) -> list[dict[str, Any]]:
-    if name == "vlm":
-        from vlm_rl.gpu_bench import rollout_rows
-
-        return rollout_rows(scale, device, workdir, rollouts, vllm)
-    from diffusion_rl import gpu_bench
-
-    if name == "denoiser":
-        return gpu_bench.denoiser_step_rows(scale, device, iterations, batch)
-    if name == "ranking":
-        return gpu_bench.fp8_ranking_rows(device, pool_prompts, pool, pool_steps)
-    return gpu_bench.tree_rows(scale, device, iterations, workdir)
 
 
 def _device_name(device: torch.device) -> str:

@@ -203,6 +203,10 @@ PRECISIONS: Registry[Callable] = Registry("precision", "weight precisions for ex
 REWARDS: Registry[Callable] = Registry("reward", "reward functions")
 TRAINERS: Registry[type] = Registry("trainer", "trainers, each with its config dataclass")
 BENCHES: Registry[Callable] = Registry("bench", "benchmarks run by `mmrl bench NAME`")
+GPU_BENCH_SECTIONS: Registry[Callable] = Registry(
+    "gpu_bench_section",
+    "sections of `mmrl bench gpu`, each called as section(options, device, workdir) for its rows",
+)
 REPLICAS: Registry[Callable] = Registry(
     "replica", "tiny replicas of real models, saved by `mmrl replica NAME` (directory, seed, full)"
 )

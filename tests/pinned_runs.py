@@ -162,18 +162,14 @@ def _numbers(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint(recipe: str, overrides: list[str], run_dir: Path) -> dict[str, Any]:
-    """Run `recipe` for STEPS steps with one thread into `run_dir` and return what it computed."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    """Run `recipe` for STEPS steps on the pinned kernels into `run_dir` and return what it computed."""
+    with fixed_isa.pinned_kernels():
         config = load_config(
             recipe,
             [*overrides, f"steps={STEPS}", f"checkpoint_every={STEPS}", "progress=false"]
             + [f"output_dir={run_dir}"],
         )
         TRAINERS.get(config.trainer)(config).train()
-    finally:
-        torch.set_num_threads(threads)
     metrics = [_numbers(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluation = json.loads((run_dir / "eval.json").read_text())
     return {
@@ -193,9 +189,7 @@ def robot_loops(folder: Path) -> dict[str, Any]:
     from vla_rl.recording import record_episodes
     from vla_rl.supervisor import TakeoverRule
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with fixed_isa.pinned_kernels():
         policy = VLAPolicy.from_pretrained(shipped_path("vla_rl/assets/tiny_vla"))
         out: dict[str, Any] = {}
         for name, options in {
@@ -225,8 +219,6 @@ def robot_loops(folder: Path) -> dict[str, Any]:
             digest.update(episode["task"].encode())
         out["demonstrations"] = {"frames": len(dataset), "hash": digest.hexdigest()}
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def record(names: list[str]) -> None:

@@ -415,17 +415,21 @@ def test_shared_prefix_scoring_trains_like_the_unshared_update(tmp_path, rollout
             return score(*args, **kwargs)
 
         trainer.adapter.shared_token_log_probs = counted
+        start = {k: v.clone() for k, v in trainer.adapter.model.state_dict().items()}
         metrics = trainer.train_step(0)
-        runs[shared] = metrics, trainer.adapter.model.state_dict(), calls
-    (plain, plain_weights, plain_calls), (shared, shared_weights, shared_calls) = runs[False], runs[True]
+        steps = {k: v - start[k] for k, v in trainer.adapter.model.state_dict().items()}
+        runs[shared] = metrics, steps, calls
+    (plain, plain_steps, plain_calls), (shared, shared_steps, shared_calls) = runs[False], runs[True]
     assert not plain_calls and shared_calls
     assert any(len(set(groups)) < len(groups) for groups in shared_calls)  # some rows did share
     assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-7) and plain["loss"] != 0
     assert shared["kl"] == pytest.approx(plain["kl"], rel=1e-4, abs=1e-9)
     assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
-    # Adam's first step moves every weight by about lr (5e-5) along its gradient's sign: a gradient that
-    # differed in more than float rounding would move weights apart by that much
-    assert all(torch.allclose(shared_weights[k], plain_weights[k], atol=5e-6) for k in plain_weights)
+    # Adam's first step moves every weight by about lr along its gradient's sign, so an element whose
+    # gradient is rounding noise may step either way; a gradient that differed beyond rounding would
+    # flip many signs, so the steps are compared as a whole
+    difference = torch.cat([(shared_steps[k] - plain_steps[k]).flatten() for k in plain_steps]).norm()
+    assert difference <= 1e-3 * torch.cat([v.flatten() for v in plain_steps.values()]).norm()
 
 
 def test_tree_bench_rows_count_prefill_and_trained_tokens(capsys):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from mmrl.bench_gpu import GpuBenchOptions
+from mmrl.registry import GPU_BENCH_SECTIONS
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.models import VLMAdapter
 from vlm_rl.replicas import qwen25vl_3b
@@ -22,7 +24,9 @@ VLLM_TARGET = 3.0
 KV_CACHE_GIB = 16.0  # vLLM's cache at full size: room for every conversation at once
 
 
-def rollout_rows(scale: str, device: torch.device, workdir: Path, rollouts: int, vllm: bool) -> list[dict]:
+@GPU_BENCH_SECTIONS.register("vlm")
+def rollout_rows(options: GpuBenchOptions, device: torch.device, workdir: Path) -> list[dict]:
+    scale, rollouts, vllm = options.scale, options.rollouts, options.vllm
     path = workdir / f"qwen25vl_3b_{scale}"
     if not path.is_dir():
         partial = path.with_name(path.name + ".partial")
