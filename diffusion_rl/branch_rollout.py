@@ -270,23 +270,6 @@ def set_leaf_rewards(trees: list[RolloutTree], rewards: torch.Tensor) -> None:
             tree.set_leaf_reward(leaf, reward)
 
 
-def path_advantages(trees: list[RolloutTree], leaf_advantages: torch.Tensor) -> dict[tuple[int, int], float]:
-    """Flat credit (a group advantage per leaf, tree-major): every edge carries the mean advantage of
-    the leaves below it, keyed by (tree index, node id). In a tree of depth 1 that is its leaf's. With
-    `training_samples(..., leaf_weighted=True)` an edge then counts once per leaf below it, so the loss
-    is flat GRPO's on the leaves' paths, each shared step evaluated once. Node credit from a tree
-    estimator is `mmrl.tree.fused_node_advantages`."""
-    advantages = {}
-    for t, (tree, row) in enumerate(zip(trees, leaf_advantages.view(len(trees), -1).tolist(), strict=True)):
-        total, count = [0.0] * len(tree), [0] * len(tree)
-        for leaf, a in zip(tree.leaves(), row, strict=True):
-            for _, child in tree.path_to(leaf):
-                total[child] += a
-                count[child] += 1
-        advantages.update({(t, n): total[n] / count[n] for n in range(1, len(tree))})
-    return advantages
-
-
 def trained_edges(tree: RolloutTree, node_advantages: list[float], prune: PruneConfig) -> list[Edge]:
     """The edges BranchGRPO trains: width pruning of the leaves' edges by advantage (`node_advantages`
     indexed by node id), then depth pruning, both as `mmrl.tree` defines them."""

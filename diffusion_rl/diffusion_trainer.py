@@ -26,339 +26,42 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig
-from diffusion_rl.models import FlowPipeline, one_line
-from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError, check_reward_server
+from diffusion_rl.inputs import (
+    check_gold_reward,
+    check_prompt_tokens,
+    located_heldout_prompts,
+    located_prompts,
+    resolve_model_path,
+    trainable_denoiser,
+)
+from diffusion_rl.models import FlowPipeline
+from diffusion_rl.reward_terms import (
+    RewardFailed,
+    build_reward,
+    build_reward_terms,
+    combine_rewards,
+    reward_hacking_record,
+    scored,
+)
+from diffusion_rl.rewards import check_reward_server
 from diffusion_rl.sampling import evaluate_alignment, evaluation_prompts
-from diffusion_rl.shapes import train_prompts
 from mmrl.checkpoint import STEP_PREFIX, list_checkpoints
-from mmrl.config import ConfigError, shipped_path
+from mmrl.config import ConfigError
+from mmrl.credit import GroupedRewards
 from mmrl.memory_plan import MemoryPlan
-from mmrl.registry import REWARDS, UnknownNameError
-from mmrl.resources import check_enough_prompts
-from mmrl.rewards import RewardFn, RewardOutputError, checked_rewards
+from mmrl.rewards import RewardFn
 from mmrl.runlog import write_json
 from mmrl.samplers import build_sampler
 from mmrl.trainer import Trainer, TrainingStopped
 from mmrl.tree import RolloutTree
 
-LORA_TARGETS = {  # module-name suffixes, by model.lora_targets
-    "attention": ["to_q", "to_k", "to_v", "to_out.0"],
-    "attention_mlp": [
-        *["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
-        *["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"],
-    ],
-}
 GOLD_KEY = "gold"  # held-out metric heldout_gold
 DIVERGENCE_KEY = "divergence"  # eval.json entry of the reward-hacking check
 HELDOUT_SCORES_FILE = "heldout_scores.json"  # per-prompt held-out scores of the before and after evaluations
-NOISE_SE = 2.0  # a held-out change counts as beyond noise past this many paired standard errors
-
-
-class StepRewards(NamedTuple):
-    """Every process's leaf rewards of a step, in rank order."""
-
-    rewards: torch.Tensor
-    groups: torch.Tensor  # per leaf: its tree's slot (group j is the prompt chosen[j])
-    offset: int  # where this process's leaves start
-
-
-def located_prompts(prompt_file: str | None, key: str = "prompt_file") -> list[tuple[str, str]]:
-    """Every prompt of `prompt_file` (UTF-8 text, one prompt per line, blank lines skipped) with where it
-    is, e.g. "prompt_file = 'p.txt' line 3", for errors that name it; None: the built-in shapes prompts
-    ("built-in prompt 3"). A file that is missing, unreadable, not UTF-8 or empty is a ConfigError
-    naming config key `key`."""
-    if prompt_file is None:
-        return [(f"built-in prompt {n}", prompt) for n, prompt in enumerate(train_prompts(), start=1)]
-    path = Path(prompt_file)
-    if not path.is_file():
-        raise ConfigError(
-            f"config error: {key} = {prompt_file!r} does not exist; give a text file with one "
-            "prompt per line, or null for the built-in shapes prompts"
-        )
-    where = f"{key} = {prompt_file!r}"
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ConfigError(
-            f"config error: {where} cannot be read ({err.strerror or err}): fix its permissions or give "
-            "another file"
-        ) from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise ConfigError(
-            f"config error: {where} is not UTF-8 text: byte {err.start} (line {line}) is "
-            f"0x{data[err.start]:02x} ({err.reason}); save the file as UTF-8 (from Latin-1: "
-            "iconv -f latin1 -t utf-8)"
-        ) from None
-    located = [
-        (f"{where} line {n}", line.strip())
-        for n, line in enumerate(text.splitlines(), start=1)
-        if line.strip()
-    ]
-    if not located:
-        raise ConfigError(f"config error: {where} holds no prompts (one per line)")
-    return located
-
-
-def load_prompts(prompt_file: str | None, key: str = "prompt_file") -> list[str]:
-    """The prompts of `prompt_file` (see `located_prompts`), or the built-in shapes prompts for None."""
-    return [prompt for _, prompt in located_prompts(prompt_file, key)]
-
-
-def located_heldout_prompts(cfg: EvalConfig) -> list[tuple[str, str]]:
-    """The prompts a held-out evaluation samples, with where each is: eval.prompt_file's first
-    eval.prompts, or the shapes world's held-out subset ("built-in held-out prompt 3")."""
-    if cfg.prompt_file is None:
-        chosen = evaluation_prompts(cfg.prompts)
-        return [(f"built-in held-out prompt {n}", prompt) for n, prompt in enumerate(chosen, start=1)]
-    located = located_prompts(cfg.prompt_file, "eval.prompt_file")
-    if len(located) < cfg.prompts:
-        raise ConfigError(
-            f"config error: eval.prompt_file = {cfg.prompt_file!r} holds {len(located)} prompts, fewer "
-            f"than eval.prompts = {cfg.prompts}: lower eval.prompts or add prompts"
-        )
-    return located[: cfg.prompts]
-
-
-def load_heldout_prompts(cfg: EvalConfig) -> list[str] | None:
-    """eval.prompt_file's first eval.prompts prompts (None: the shapes world's held-out prompts)."""
-    if cfg.prompt_file is None:
-        return None
-    return [prompt for _, prompt in located_heldout_prompts(cfg)]
-
-
-def check_prompt_tokens(pipe: FlowPipeline, prompts: Sequence[tuple[str, str]]) -> str | None:
-    """Check every (where, prompt) against the model's tokenizers before anything is written. Our own
-    tokenizer has a closed vocabulary (`FlowPipeline.vocabulary_gaps`): a word outside it, or a prompt
-    longer than its text encoder reads, is a ConfigError naming the prompt. A diffusers pipeline's
-    tokenizers read any word, and its encode_prompt cuts a long prompt to the encoder's length, as
-    diffusers does: returns the warning that counts the prompts cut (None when none are cut)."""
-    texts = list(dict.fromkeys(prompt for _, prompt in prompts))
-    gaps = pipe.vocabulary_gaps(texts)
-    limits = pipe.prompt_tokenizers()
-    lengths = {
-        name: dict(zip(texts, map(len, tokenizer(texts, verbose=False).input_ids), strict=True))
-        for name, (tokenizer, _) in limits.items()
-    }
-    cut: dict[str, int] = {}  # prompts cut, by tokenizer
-    cut_prompts, first = set(), None
-    for where, prompt in prompts:
-        if prompt in gaps:
-            raise ConfigError(
-                f"config error: {where} ({prompt!r}): the word {gaps[prompt]!r} is not in the model's "
-                "vocabulary, so its text encoder never learnt it (the tokenizer would spell it out in "
-                "characters): write the prompt in the words the model was trained on"
-            )
-        for name, (_, limit) in limits.items():
-            length = lengths[name][prompt]
-            if length <= limit:
-                continue
-            if pipe.diffusers_pipeline is None:
-                raise ConfigError(
-                    f"config error: {where} ({prompt!r}) is {length} tokens long, more than the {limit} "
-                    "the model's text encoder reads: shorten it"
-                )
-            cut[name] = cut.get(name, 0) + 1
-            cut_prompts.add(prompt)
-            first = first or f"the first: {where}, {length} tokens for {name}'s {limit}"
-    if not cut:
-        return None
-    counts = ", ".join(f"{count} by {name} ({limits[name][1]} tokens)" for name, count in cut.items())
-    return (
-        f"{len(cut_prompts)} of the {len(texts)} training and held-out prompts are longer than the text "
-        f"encoders read and are cut to their length, as diffusers does: {counts}; {first}"
-    )
-
-
-def check_gold_reward(cfg: Any) -> None:
-    """Refuse an eval.gold_reward that is also trained: a gold reward is one the run never trains on."""
-    gold = cfg.eval.gold_reward
-    if gold is None:
-        return
-    terms = cfg.reward.terms
-    trained = sorted({term["name"] for term in terms} if terms is not None else {cfg.reward.name})
-    if gold["name"] in trained:
-        raise ConfigError(
-            f"config error: eval.gold_reward.name = {gold['name']!r} is also a trained reward "
-            f"({', '.join(trained)}): a gold reward must be one the run never trains on (set "
-            "eval.gold_reward to another reward, or to null)"
-        )
-
-
-def resolve_model_path(path: str) -> Path:
-    """A model directory as given (relative to the working directory), or relative to the repository."""
-    found = shipped_path(path)
-    if found.is_dir():
-        return found
-    raise ConfigError(
-        f"config error: model.path = {path!r} is not a directory; give a local model directory (a "
-        "diffusers pipeline saved from the hub id the recipe names, a tiny replica from `mmrl replica "
-        "NAME`, or `mmrl pretrain diffusion`'s runs/pretrain/diffusion/pipeline)"
-    )
-
-
-def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[torch.nn.Parameter]:
-    """The parameters training updates: every weight, or (model.lora_rank > 0) a LoRA adapter added
-    on the projections model.lora_targets names (LORA_TARGETS), the rest frozen. With
-    model.gradient_checkpointing the denoiser recomputes its blocks in the backward pass."""
-    if model.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    if model.lora_rank > 0:
-        from peft import LoraConfig
-
-        denoiser.requires_grad_(False)
-        denoiser.add_adapter(
-            LoraConfig(
-                r=model.lora_rank,
-                lora_alpha=model.lora_alpha or model.lora_rank,
-                init_lora_weights="gaussian",
-                target_modules=LORA_TARGETS[model.lora_targets],
-            )
-        )
-    return [p for p in denoiser.parameters() if p.requires_grad]
-
-
-class RewardFailed(Exception):
-    """A reward could not score a batch: its server failed, it returned something other than one number
-    per sample (`checked_rewards`), or it cannot score a prompt (a ValueError); the message names the
-    reward and what it did."""
-
-
-def scored(name: str, fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """Reward `name`'s values of `images` (``fn(images, prompts=prompts)``), checked to be one float32
-    number per image, on the CPU; RewardFailed otherwise."""
-    try:
-        return checked_rewards(fn(images, prompts=prompts), len(images), name).cpu()
-    except RewardServerError as err:
-        raise RewardFailed(f"reward {name!r}: {err}") from err
-    except RewardOutputError as err:
-        raise RewardFailed(str(err)) from err
-    except ValueError as err:
-        raise RewardFailed(f"reward {name!r} cannot score these prompts or images: {one_line(err)}") from err
-
-
-class RewardTerm(NamedTuple):
-    name: str  # the registered reward
-    label: str  # its metrics: reward_<label>, heldout_<label>
-    weight: float
-    fn: RewardFn
-
-
-def build_reward(name: str, options: dict[str, Any], prefix: str) -> RewardFn:
-    """The registered reward `name` built with `options`; a ConfigError naming `prefix` + name/options."""
-    try:
-        return REWARDS.get(name)(**options)
-    except UnknownNameError as err:
-        raise ConfigError(f"config error: {prefix}name: {err}") from None
-    except TypeError as err:
-        raise ConfigError(
-            f"config error: {prefix}options = {options}: {err}; give {name}'s own options "
-            f"({prefix}options={{}} for none: a recipe's options stay when only {prefix}name is overridden)"
-        ) from None
-    except ConfigError as err:  # the factory's own check of an option, named where this config holds it
-        raise ConfigError(str(err).replace(OPTIONS_KEY, f"{prefix}options")) from None
-
-
-def build_reward_terms(reward: RewardConfig) -> list[RewardTerm]:
-    """Every trained reward with its weight: the terms, or the one reward with weight 1."""
-    if reward.terms is None:
-        name = str(reward.name)
-        return [RewardTerm(name, name, 1.0, build_reward(name, reward.options, "reward."))]
-    return [
-        RewardTerm(
-            t["name"], t["label"], t["weight"], build_reward(t["name"], t["options"], f"reward.terms[{i}].")
-        )
-        for i, t in enumerate(reward.terms)
-    ]
-
-
-def group_zscore(values: torch.Tensor, group_sizes: Sequence[int], eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean_g) / (std_g + eps) within consecutive groups of the given sizes (population std, in
-    float64 as the GRPO advantage computes it); a group of equal values gets exactly 0."""
-    r = values.double()
-    parts = [(g - g.mean()) / (g.std(unbiased=False) + eps) for g in r.split(list(group_sizes))]
-    return torch.cat(parts) if parts else r
-
-
-def combine_rewards(
-    raw: dict[str, torch.Tensor], weights: dict[str, float], group_sizes: Sequence[int], normalize: str
-) -> torch.Tensor:
-    """The trained reward: sum over terms of weight * reward, each term first z-scored within each
-    group (consecutive leaves, `group_sizes`) when `normalize` is "group"; float32."""
-    total = torch.zeros(sum(group_sizes), dtype=torch.float64)
-    for name, values in raw.items():
-        term = group_zscore(values, group_sizes) if normalize == "group" else values.double()
-        total += weights[name] * term
-    return total.float()
-
-
-def paired_se(first: Sequence[float] | None, last: Sequence[float] | None) -> float | None:
-    """Standard error of the mean paired change from `first` to `last` (the same prompts and noise in
-    both); None without per-prompt scores for both, of one length, for at least two prompts."""
-    if first is None or last is None or len(first) != len(last) or len(first) < 2:
-        return None
-    diff = torch.tensor(last, dtype=torch.float64) - torch.tensor(first, dtype=torch.float64)
-    return float(diff.std() / len(diff) ** 0.5)
-
-
-def reward_hacking_record(
-    first: dict[str, Any] | None,
-    last: dict[str, Any] | None,
-    trained_key: str,
-    gold_key: str,
-    margin: float = 0.0,
-    first_scores: dict[str, Sequence[float]] | None = None,
-    last_scores: dict[str, Sequence[float]] | None = None,
-) -> dict[str, Any] | None:
-    """The change of the trained reward's and the gold reward's held-out means from the `first` to
-    the `last` evaluation, with their paired standard errors where the per-prompt scores of both are
-    given; None when either evaluation lacks either mean.
-
-    ``gold_fell``: the gold mean fell by more than `margin` and, with a standard error, by more than
-    `NOISE_SE` of them. ``reward_hacking_suspected``: that, while the trained mean rose by more than
-    `margin`. A gold fall with the trained reward flat or falling is a run that degraded, not one
-    that games its reward."""
-    if first is None or last is None:
-        return None
-    try:
-        trained = float(last[trained_key]) - float(first[trained_key])
-        gold = float(last[gold_key]) - float(first[gold_key])
-    except (KeyError, TypeError, ValueError):
-        return None
-    first_scores, last_scores = first_scores or {}, last_scores or {}
-    trained_se = paired_se(first_scores.get(trained_key), last_scores.get(trained_key))
-    gold_se = paired_se(first_scores.get(gold_key), last_scores.get(gold_key))
-    gold_fell = gold < -margin and (gold_se is None or gold < -NOISE_SE * gold_se)
-    return {
-        "reward_hacking_suspected": bool(gold_fell and trained > margin),
-        "gold_fell": bool(gold_fell),
-        "trained_metric": trained_key,
-        "trained_delta": trained,
-        "trained_se": trained_se,
-        "gold_metric": gold_key,
-        "gold_delta": gold,
-        "gold_se": gold_se,
-    }
-
-
-def check_prompt_count(cfg: Any, prompts: int, processes: int) -> None:
-    """Refuse a step that would draw a prompt twice: `rollout.prompts_per_step` on every process."""
-    source = f"prompts of prompt_file = {cfg.prompt_file!r}" if cfg.prompt_file else "built-in prompts"
-    check_enough_prompts(
-        "rollout.prompts_per_step",
-        cfg.rollout.prompts_per_step,
-        processes,
-        prompts,
-        f"the {prompts} {source}",
-        "lower rollout.prompts_per_step or give a longer prompt_file",
-    )
 
 
 def update_summary(stats: list[tuple[int, dict[str, Any], float]], grad_norms: list[float]) -> dict[str, Any]:
@@ -524,14 +227,14 @@ class DiffusionTrainer(Trainer):
         empty for one reward without `reward.normalize`, whose values are the trained reward itself."""
         return dict(self.last_reward_metrics)
 
-    def gather_rewards(self, slots: list[int], rewards: torch.Tensor) -> StepRewards:
+    def gather_rewards(self, slots: list[int], rewards: torch.Tensor) -> GroupedRewards:
         """Every process's leaf rewards, so that the sampler's state stays the same on every process
         and group statistics span them all."""
         gathered = self.gather([(slots, rewards.tolist())], "every process's leaf rewards")
         all_slots = torch.tensor([s for part in gathered for s in part[0]])
         leaves_per_tree = len(rewards) // len(slots)
         rank = self.accelerator.process_index
-        return StepRewards(
+        return GroupedRewards(
             rewards=torch.tensor([r for part in gathered for r in part[1]]),
             groups=all_slots.repeat_interleave(leaves_per_tree),
             offset=sum(len(part[1]) for part in gathered[:rank]),

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from diffusion_rl.alignment import geneval_mini
-from diffusion_rl.diffusion_trainer import resolve_model_path
+from diffusion_rl.inputs import resolve_model_path
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.quantized_exploration import kendall_tau
 from diffusion_rl.replicas import save_replica

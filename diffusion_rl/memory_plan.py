@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from diffusion_rl.branch_rollout import plan_for
-from diffusion_rl.diffusion_trainer import (
+from diffusion_rl.inputs import (
     check_gold_reward,
     check_prompt_count,
     check_prompt_tokens,

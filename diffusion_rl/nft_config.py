@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from diffusion_rl.config import EvalConfig, ModelConfig, RewardConfig, call_rows_option
-from diffusion_rl.diffusion_trainer import check_prompt_count
+from diffusion_rl.inputs import check_prompt_count
 from diffusion_rl.models import FlowPipeline
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option

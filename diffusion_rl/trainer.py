@@ -30,7 +30,6 @@ import torch
 
 from diffusion_rl.branch_rollout import (
     StepRecord,
-    path_advantages,
     plan_for,
     rollout_trees,
     set_leaf_rewards,
@@ -38,13 +37,8 @@ from diffusion_rl.branch_rollout import (
     training_samples,
 )
 from diffusion_rl.config import BranchGRPOConfig
-from diffusion_rl.diffusion_trainer import (
-    DiffusionTrainer,
-    StepRewards,
-    check_prompt_count,
-    split_evenly,
-    update_summary,
-)
+from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly, update_summary
+from diffusion_rl.inputs import check_prompt_count
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.quantized_exploration import (
     KeptLeaves,
@@ -55,11 +49,11 @@ from diffusion_rl.quantized_exploration import (
 )
 from diffusion_rl.sampling import save_grid
 from diffusion_rl.sde import StepOutput
+from mmrl.credit import assign_credit
 from mmrl.losses import LossOutput, gaussian_kl_same_std
 from mmrl.precision import explore_precision
-from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
+from mmrl.registry import LOSSES, TRAINERS
 from mmrl.resources import check_memory
-from mmrl.tree import RolloutTree, fused_node_advantages
 
 # latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
 FORWARD_LATENTS = 64
@@ -120,7 +114,6 @@ class BranchGRPOTrainer(DiffusionTrainer):
     def setup(self) -> None:
         super().setup()
         cfg = self.config
-        self.advantage_fn = ADVANTAGES.get(cfg.train.advantage)
         self.policy_loss = LOSSES.get(cfg.train.loss)
         self.plan = plan_for(cfg.rollout)
 
@@ -169,12 +162,16 @@ class BranchGRPOTrainer(DiffusionTrainer):
 
         everyone = self.gather_rewards(slots, rewards)
         keep = self.sampler.update(chosen, everyone.rewards, everyone.groups)
-        advantages = self.advantages(trees, everyone)
+        credit = assign_credit(
+            trees,
+            cfg.train.advantage,
+            fusion=cfg.rollout.reward_fusion,
+            clip=cfg.train.adv_clip,
+            everyone=everyone,
+        )
         dropped = {t for t, slot in enumerate(slots) if not keep[slot]}  # filtered out by the sampler
-        advantages = {key: 0.0 if key[0] in dropped else a for key, a in advantages.items()}
-
-        flat_credit = not ADVANTAGES.has_kind(cfg.train.advantage, "tree")
-        samples = training_samples(trees, advantages, cfg.prune, leaf_weighted=flat_credit)
+        advantages = {key: 0.0 if key[0] in dropped else a for key, a in credit.nodes.items()}
+        samples = training_samples(trees, advantages, cfg.prune, leaf_weighted=credit.per_leaf)
         metrics.update(
             reward=rewards.mean(),
             reward_std=rewards.std(),
@@ -201,19 +198,6 @@ class BranchGRPOTrainer(DiffusionTrainer):
         rewards, _ = self.score(trees, leaves, prompts)
         kept = keep_for_replay(plan, trees, rewards, cfg.explore.keep)
         return kept, {"explore_nfe": evaluations / len(trees), "explore_reward": rewards.mean()}
-
-    def advantages(self, trees: list[RolloutTree], everyone: StepRewards) -> dict[tuple[int, int], float]:
-        """A(node) for every non-root node of this process's trees, keyed by (tree index, node id):
-        from a tree estimator on the rewards fused up each tree, or from a group estimator with one
-        group per tree over every process's trees (each edge on a leaf's path carries the leaf's)."""
-        cfg = self.config
-        if ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
-            fusion, clip = cfg.rollout.reward_fusion, cfg.train.adv_clip
-            return fused_node_advantages(trees, self.advantage_fn, fusion, clip=clip)
-        result = self.advantage_fn(everyone.rewards, everyone.groups)
-        values = (result.values * result.loss_mask).clamp(-cfg.train.adv_clip, cfg.train.adv_clip)
-        leaves = sum(len(tree.leaves()) for tree in trees)
-        return path_advantages(trees, values[everyone.offset : everyone.offset + leaves])
 
     # -- update ---------------------------------------------------------------------------------
 

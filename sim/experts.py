@@ -10,8 +10,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from sim import TASKS, task_id
-from sim.adapters import EXTERNAL_EXPERTS, EXTERNAL_TASKS, ExternalTask
+from sim.adapters import ExternalTask
 from sim.env import CUBE_HALF, GRIPPER_OPEN, MAX_STEP, MAX_YAW_STEP, ArmEnv
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
 
@@ -180,36 +179,3 @@ EXPERTS: dict[type[ArmEnv], type[Expert]] = {
     PushEnv: PushExpert,
     PickPlaceEnv: PickPlaceExpert,
 }
-
-
-def expert_for(env: gym.Env | gym.vector.VectorEnv | str) -> Expert:
-    """The scripted expert for a task given by id, by a (wrapped) env or by a vector env made from an id."""
-    if isinstance(env, gym.vector.VectorEnv):
-        if env.spec is None:
-            raise ValueError("this vector env has no spec (not made by gymnasium.make_vec); pass the task id")
-        if env.spec.id in EXTERNAL_TASKS:
-            raise ValueError(f"{env.spec.id} is external: pass its id or an env made by sim.make")
-        env = env.spec.id
-    if isinstance(env, str):
-        name = task_id(env)
-        task = EXTERNAL_TASKS[name] if name in EXTERNAL_TASKS else TASKS[name]
-    elif isinstance(env.unwrapped, ArmEnv):
-        task = type(env.unwrapped)
-    else:
-        spec = env.unwrapped.spec
-        task = EXTERNAL_TASKS.get(spec.id if spec is not None else "")
-        if task is None:
-            raise TypeError(f"no scripted expert for {env.unwrapped}: not one of mmrl's tasks")
-    if isinstance(task, ExternalTask):
-        if task.env_id in EXTERNAL_EXPERTS:
-            return EXTERNAL_EXPERTS[task.env_id](task)
-        raise TypeError(
-            f"no scripted expert for {task.env_id}: register the task with "
-            "sim.register_task(task, expert=YourExpert), YourExpert a subclass of sim.experts.Expert"
-        )
-    for cls, expert in EXPERTS.items():
-        if issubclass(task, cls):
-            return expert(task)
-    raise TypeError(
-        f"no scripted expert for {task.__name__}; experts exist for {', '.join(c.__name__ for c in EXPERTS)}"
-    )

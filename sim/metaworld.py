@@ -31,10 +31,11 @@ import warnings
 import gymnasium as gym
 import numpy as np
 
-from sim import METAWORLD_PREFIX as PREFIX
 from sim.adapters import ExternalTask
 from sim.experts import Expert
 from sim.render import CameraRenderer, coarse_meshes
+
+PREFIX = "metaworld/"  # Meta-World's tasks by name, registered when first named (sim.registry.task_id)
 
 INSTALL = "pip install --no-deps metaworld==3.1.1 scipy (it pins mujoco 3.3.0 and runs on ours)"
 MAX_EPISODE_STEPS = 200

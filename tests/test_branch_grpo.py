@@ -7,7 +7,6 @@ import torch
 
 from diffusion_rl.branch_rollout import (
     ancestors,
-    path_advantages,
     plan_for,
     rollout_trees,
     set_leaf_rewards,
@@ -21,6 +20,7 @@ from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.advantages import grpo
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
+from mmrl.credit import assign_credit
 from mmrl.registry import SAMPLERS
 from mmrl.trainer import TrainingStopped
 from mmrl.tree import depthwise_node_advantages
@@ -191,11 +191,10 @@ def test_flat_credit_on_a_tree_is_flat_grpo_on_its_leaves_paths(model_dir, tmp_p
         sum(len(tree.leaves()) for tree in trees), generator=torch.Generator().manual_seed(0)
     )
     leaf_advantages = grpo(rewards, torch.arange(len(trees)).repeat_interleave(8)).values
-    weighted = [
-        s
-        for g in training_samples(trees, path_advantages(trees, leaf_advantages), trainer.config.prune, True)
-        for s in g
-    ]
+    set_leaf_rewards(trees, rewards)
+    credit = assign_credit(trees, "grpo")
+    assert credit.per_leaf
+    weighted = [s for g in training_samples(trees, credit.nodes, trainer.config.prune, True) for s in g]
     unrolled = [
         (t, record, a, 1.0)
         for t, (tree, row) in enumerate(zip(trees, leaf_advantages.view(2, 8).tolist(), strict=True))

@@ -8,7 +8,6 @@ from diffusion_rl.branch_rollout import (
     TreePlan,
     ancestors,
     noise_scale,
-    path_advantages,
     plan_for,
     set_leaf_rewards,
     step_log_probs,
@@ -89,18 +88,11 @@ def test_a_factor_per_split_numbers_the_tree_of_the_largest_factor():
     assert uniform.leaf_keys() == plan_for(RolloutConfig(steps=8, split_steps=[0, 2, 4])).leaf_keys()
 
 
-def test_leaf_rewards_and_flat_credit_on_paths():
+def test_leaf_rewards_go_to_the_leaves_in_tree_major_order():
     plan = plan_for(RolloutConfig(steps=4, split_steps=[0, 2], branch_factor=2))
     trees = [keyed_tree(plan), keyed_tree(plan)]
     set_leaf_rewards(trees, torch.arange(8.0))
     assert [trees[1].nodes[leaf].reward for leaf in trees[1].leaves()] == [4.0, 5.0, 6.0, 7.0]
-    flat = [RolloutTree.flat("p", ["a", "b"]), RolloutTree.flat("q", ["c", "d"])]
-    assert path_advantages(flat, torch.tensor([1.0, -1.0, 0.5, -0.5])) == {
-        (0, 1): 1.0,
-        (0, 2): -1.0,
-        (1, 1): 0.5,
-        (1, 2): -0.5,
-    }
 
 
 def test_pruning_is_mmrl_trees_width_then_depth():

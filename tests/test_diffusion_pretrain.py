@@ -107,7 +107,7 @@ def test_unet_backbone_pretrains_and_reloads(tmp_path, monkeypatch):
 def test_shipped_tiny_flow_weights_draw_what_prompts_ask():
     """The base model the diffusion recipes start from is trained, not random: a small held-out
     alignment check (an untrained model scores about 0.004; these weights 0.138 on 64 prompts)."""
-    from diffusion_rl.diffusion_trainer import resolve_model_path
+    from diffusion_rl.inputs import resolve_model_path
     from diffusion_rl.sampling import evaluate_alignment
 
     pipe = FlowPipeline.from_pretrained(resolve_model_path("diffusion_rl/assets/tiny_flow"))

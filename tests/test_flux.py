@@ -12,7 +12,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeli
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from diffusion_rl.diffusion_trainer import LORA_TARGETS
+from diffusion_rl.inputs import LORA_TARGETS
 from diffusion_rl.models import (
     LORA_FILE,
     LORA_WEIGHTS,

@@ -8,7 +8,7 @@ import pytest
 
 import sim
 from mmrl.config import ConfigError, load_config
-from sim.experts import expert_for
+from sim import expert_for
 from sim.metaworld import CARRY_TASKS, LIFTED, MAX_EPISODE_STEPS, MOVED, instruction
 from vla_rl.bench import bench_vla
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary

@@ -11,13 +11,8 @@ import torch
 from diffusion_rl.alignment import load_scorer, strict_checks
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.config import BranchGRPOConfig
-from diffusion_rl.diffusion_trainer import (
-    build_reward_terms,
-    combine_rewards,
-    group_zscore,
-    reward_hacking_record,
-)
 from diffusion_rl.models import FlowPipeline
+from diffusion_rl.reward_terms import build_reward_terms, combine_rewards, group_zscore, reward_hacking_record
 from diffusion_rl.shapes import (
     Scene,
     ShapeObject,

@@ -150,7 +150,7 @@ def test_external_tasks_check_their_parts_and_registration():
 
 
 def test_a_task_registered_without_an_expert_says_how_to_add_one(monkeypatch):
-    from sim.experts import expert_for
+    from sim import expert_for
 
     bare = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], env_id="FetchReach-v3")
     monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v3", bare)  # as register_task(bare) would

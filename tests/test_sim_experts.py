@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import sim
-from sim.experts import cube_yaw, expert_for
+from sim import expert_for
+from sim.experts import cube_yaw
 
 
 def run_expert(env, seed, random_steps=0):

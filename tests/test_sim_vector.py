@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import sim  # noqa: F401  (registers the tasks)
-from sim.experts import expert_for
+from sim import expert_for
 
 
 def test_make_vec_sync_shapes_and_expert_batch():

@@ -720,7 +720,7 @@ def test_noisy_execution_records_the_clean_expert_actions(tmp_path):
     """DART: the executed actions are perturbed, the recorded labels are the expert's own actions at the
     states the perturbed run visited; the noise changes the path, and a second recording repeats it."""
     import sim
-    from sim.experts import expert_for
+    from sim import expert_for
 
     clean = record_episodes("Push", None, n=1, seed=5, root=tmp_path / "clean")
     noisy = record_episodes("Push", None, n=1, seed=5, root=tmp_path / "noisy", action_noise=0.3)

@@ -259,7 +259,7 @@ def test_a_recording_equals_the_loop_it_replaced(tmp_path):
     """The old recording loop, written out: one env, reset with seed + k, the expert's action recorded,
     the action plus noise from default_rng(seed + k) executed."""
     import sim
-    from sim.experts import expert_for
+    from sim import expert_for
     from vla_rl.recording import record_episodes
 
     dataset = record_episodes("PickPlace", None, 2, 5, tmp_path / "demos", action_noise=0.1)
@@ -289,7 +289,8 @@ def test_training_rollouts_hand_a_guarded_release_to_the_expert_before_it_runs(m
     drives from that step on. Every release is made to fail here, so the first sampled opening (about
     half of a random policy's gripper entries) is where each take-over starts."""
     import sim
-    from sim.experts import PickPlaceExpert, expert_for
+    from sim import expert_for
+    from sim.experts import PickPlaceExpert
     from vla_rl.online import rollouts
     from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 

@@ -8,7 +8,7 @@ import pytest
 
 import sim
 from mmrl.config import load_config
-from sim.experts import expert_for
+from sim import expert_for
 from vla_rl.policy import UNK, VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import VLABCTrainer
 from vla_rl.trainer import VLAHABCTrainer

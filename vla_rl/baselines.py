@@ -17,11 +17,12 @@ Every entry is called as `critic_targets(tr, critics, cfg)` and `actor(tr, criti
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from vla_rl.config import VLAHABCConfig
 from vla_rl.habc import (
     Critics,
     CriticTargets,
@@ -36,9 +37,6 @@ from vla_rl.habc import (
     weight_stats,
 )
 from vla_rl.online import Transitions
-
-if TYPE_CHECKING:
-    from vla_rl.config import VLAHABCConfig
 
 
 class ActorTargets(NamedTuple):

@@ -15,14 +15,14 @@ from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import ADVANTAGES
 from mmrl.resources import check_memory
 from mmrl.samplers import build_sampler
-from vla_rl.baselines import BUFFER_METHODS
 from vla_rl.branching import BranchPlan
 from vla_rl.evaluate import TASK_HELP
 from vla_rl.habc import ABLATIONS
 from vla_rl.online import GroupSeeds
 from vla_rl.pretrain import checked_task
 
-METHODS = (*BUFFER_METHODS, "grpo")
+# the update rules: the replay-buffer methods (`vla_rl.baselines.BUFFER_METHODS`, in this order), then grpo
+METHODS = ("habc", "awr", "bc", "dagger", "grpo")
 ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
 
 

@@ -236,7 +236,7 @@ def evaluate_episodes(
     Sampling (deterministic=False) draws from a generator seeded with `seed`, so a run is repeatable.
     """
     import sim  # the robot extra: only rollouts need it
-    from sim.experts import expert_for
+    from sim import expert_for
 
     try:
         expert = expert_for(task)

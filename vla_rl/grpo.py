@@ -9,7 +9,7 @@ the rollouts. Chunks whose episode has a zero (or masked) advantage carry no sig
 
 With snapshot branching (`grpo.branch_every`, `vla_rl.branching`) a group is a tree. A tree estimator
 (node credit) scores every node from the leaves' success fused up the tree
-(`mmrl.tree.fused_node_advantages`), and every chunk executed on an edge is trained once, with the
+(`mmrl.credit.assign_credit`), and every chunk executed on an edge is trained once, with the
 advantage of the node the edge leads to, by the same loss. A group estimator (flat credit) scores the
 tree's leaves as the group and trains every leaf's whole episode from reset with its advantage, so a
 chunk on a shared edge counts once per leaf below it: flat GRPO on the leaves, at the tree's env cost.
@@ -17,21 +17,34 @@ chunk on a shared edge counts once per leaf below it: flat GRPO on the leaves, a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mmrl.advantages import Advantages
+from mmrl.credit import assign_credit
 from mmrl.registry import ADVANTAGES, LOSSES
-from mmrl.tree import fused_node_advantages
 from vla_rl.branching import BranchedGroups
+from vla_rl.config import VLAHABCConfig
 from vla_rl.online import Episode
-from vla_rl.policy import VLAPolicy
+from vla_rl.policy import ClippedGaussian, VLAPolicy
 
-if TYPE_CHECKING:
-    from vla_rl.trainer import VLAHABCTrainer
+
+class ActorLearner(Protocol):
+    """What GRPO's update needs of the trainer (`vla_rl.trainer.VLAHABCTrainer`): the config, the
+    policy (old log-probs), the module that trains it (the policy, or its DDP wrapper), one actor step
+    on a loss and the metrics of the steps taken."""
+
+    config: VLAHABCConfig
+    policy: VLAPolicy
+    model: nn.Module
+
+    def actor_step(self, loss: Tensor, dist: ClippedGaussian | None) -> dict[str, float] | None: ...
+
+    def actor_metrics(self, steps: list[dict[str, float] | None]) -> dict[str, Any]: ...
+
 
 Chunk = tuple[int, int, int]  # (episode, start step, actions executed)
 
@@ -75,9 +88,7 @@ def chunk_batch(
     return inputs, torch.from_numpy(actions).to(device), mask.to(device), a.to(device)
 
 
-def update_grpo(
-    trainer: VLAHABCTrainer, episodes: list[Episode], generator: torch.Generator
-) -> dict[str, Any]:
+def update_grpo(trainer: ActorLearner, episodes: list[Episode], generator: torch.Generator) -> dict[str, Any]:
     """Group advantages over the episodes, then `train_chunks`; returns the update's metrics."""
     if not episodes:  # every group filtered out by the sampler
         return {"grpo_chunks": 0, "actor_updates": 0, "skipped_updates": 0}
@@ -87,23 +98,24 @@ def update_grpo(
 
 
 def update_branched_grpo(
-    trainer: VLAHABCTrainer, groups: BranchedGroups, generator: torch.Generator
+    trainer: ActorLearner, groups: BranchedGroups, generator: torch.Generator
 ) -> dict[str, Any]:
     """Node advantages over the groups' trees, then `train_chunks` on the edges (one `Episode` each,
     carrying the advantage of the node it leads to), or with a group estimator `update_grpo` on the
     leaves' whole episodes; returns the update's metrics."""
-    if not ADVANTAGES.has_kind(trainer.config.grpo.advantage, "tree"):
+    if not groups.trees:  # every group filtered out by the sampler
+        return update_grpo(trainer, [], generator)
+    credit = assign_credit(groups.trees, trainer.config.grpo.advantage)
+    if credit.per_leaf:
         return update_grpo(trainer, groups.leaves, generator)
-    estimator = ADVANTAGES.get(trainer.config.grpo.advantage)
-    node_advantages = fused_node_advantages(groups.trees, estimator) if groups.trees else {}
     edges = groups.edges()
-    values = torch.tensor([node_advantages[(t, n)] for t, n, _ in edges])
+    values = torch.tensor([credit.nodes[(t, n)] for t, n, _ in edges])
     advantages = Advantages(values, torch.ones(len(values), dtype=torch.bool))
     return train_chunks(trainer, [edge for *_, edge in edges], advantages, generator)
 
 
 def train_chunks(
-    trainer: VLAHABCTrainer, episodes: list[Episode], advantages: Advantages, generator: torch.Generator
+    trainer: ActorLearner, episodes: list[Episode], advantages: Advantages, generator: torch.Generator
 ) -> dict[str, Any]:
     """`train.updates` minibatches of the episodes' sampled chunks, drawn by reshuffled passes, each a
     `grpo.loss` step through the trainer's `actor_step`; returns the update's metrics."""

@@ -59,7 +59,7 @@ def task_env(task: str, max_episode_steps: int) -> Any:
 
 def expert_episode_steps(env: Any, task: str, episodes: int = EXPERT_PROBE_EPISODES) -> float:
     """The scripted expert's mean episode length on reset seeds 0 .. episodes-1."""
-    from sim.experts import expert_for
+    from sim import expert_for
 
     expert, steps = expert_for(task), 0
     for seed in range(episodes):

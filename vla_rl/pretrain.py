@@ -92,7 +92,7 @@ class VLAEvalConfig:
 
 def task_expert(task: str, key: str) -> Expert:
     """The scripted expert of `task`, or a ConfigError naming config `key` for a task that has none."""
-    from sim.experts import expert_for
+    from sim import expert_for
 
     try:
         return expert_for(task)

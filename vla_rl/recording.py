@@ -101,7 +101,7 @@ def record_episodes(
     The noise of episode k is drawn from seed + k, so a dataset is reproducible.
     """
     import sim  # the robot extra: only recording needs it
-    from sim.experts import expert_for
+    from sim import expert_for
 
     own_env = isinstance(env, str)
     if own_env:

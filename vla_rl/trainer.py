@@ -173,8 +173,8 @@ class VLAHABCTrainer(Trainer):
     def setup(self) -> None:
         """Load the policy, make the training envs (their first observation and the expert's first
         action checked), the expert, the critics and the replay buffer."""
+        from sim import expert_for
         from sim.env import snapshot_error
-        from sim.experts import expert_for
 
         cfg = self.config
         if self.accelerator.num_processes > 1:

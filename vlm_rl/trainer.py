@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from mmrl.config import ConfigError, shipped_path
+from mmrl.credit import assign_credit
 from mmrl.losses import kl_to_reference
 from mmrl.memory_plan import MemoryPlan
 from mmrl.noise import NoiseKey
-from mmrl.registry import ADVANTAGES, LOSSES, REWARDS, TRAINERS, UnknownNameError
+from mmrl.registry import LOSSES, REWARDS, TRAINERS, UnknownNameError
 from mmrl.samplers import build_sampler, keep_groups
 from mmrl.trainer import Trainer
-from mmrl.tree import RolloutTree, fused_node_advantages
+from mmrl.tree import RolloutTree
 from vlm_rl.config import ToolGRPOConfig, check_rollout_size
 from vlm_rl.data import QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
@@ -237,12 +238,10 @@ class ToolGRPOTrainer(Trainer):
         keep = torch.ones(len(chosen), dtype=torch.bool)
         if cfg.train.filter_equal_groups:
             keep = keep_groups(all_rewards, group_of_rollout, num_groups=len(chosen))
-        if tree is None or not ADVANTAGES.has_kind(cfg.train.advantage, "tree"):
-            # a group estimator on a tree scores its leaves as the question's group (flat credit)
-            advantages = self.advantages(rewards, slots, keep)
+        advantages = self.advantages(tree, rewards, slots, keep)
+        if isinstance(advantages, torch.Tensor):
             trained = int((advantages != 0).sum())
         else:
-            advantages = self.tree_advantages(tree, rewards, slots, keep)
             trained = sum(bool(a.any()) for a in advantages)
 
         prefixes = None
@@ -268,33 +267,29 @@ class ToolGRPOTrainer(Trainer):
             metrics |= partial.metrics
         return metrics
 
-    def advantages(self, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor) -> torch.Tensor:
-        """Group-normalised advantage per rollout of this process; 0 for dropped groups. A tree
-        estimator scores each group as the depth-1 tree it is."""
+    def advantages(
+        self, tree: TreeRollout | None, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """This process's advantages (`mmrl.credit.assign_credit` on each question's group, a depth-1
+        tree, or its rollout tree), 0 for dropped groups: one per rollout where each is trained whole
+        with its leaf's advantage, or per leaf every token's A(node) of its segment (node credit on a
+        tree)."""
         cfg = self.config.train
         g = cfg.group_size
-        if ADVANTAGES.has_kind(cfg.advantage, "tree"):
+        if tree is None:
             trees = [
                 RolloutTree.flat(None, [None] * g, rewards[k * g : (k + 1) * g]) for k in range(len(slots))
             ]
-            node_adv = fused_node_advantages(trees, ADVANTAGES.get(cfg.advantage), "mean", clip=cfg.adv_clip)
-            values = torch.tensor([node_adv[(k // g, k % g + 1)] for k in range(len(rewards))])
+            leaf_nodes = [k % g + 1 for k in range(len(rewards))]
         else:
-            groups = torch.arange(len(slots)).repeat_interleave(g)
-            result = ADVANTAGES.get(cfg.advantage)(rewards, groups)
-            values = (result.values * result.loss_mask).clamp(-cfg.adv_clip, cfg.adv_clip)
-        return values * keep[torch.tensor(slots)].repeat_interleave(g).float()
-
-    def tree_advantages(
-        self, tree: TreeRollout, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor
-    ) -> list[torch.Tensor]:
-        """Per leaf, every token's advantage: A(node) of its segment, from the tree estimator on the
-        leaves' rewards fused up each tree; 0 for dropped groups."""
-        cfg = self.config.train
-        tree.set_leaf_rewards(rewards)
-        node_adv = fused_node_advantages(tree.trees, ADVANTAGES.get(cfg.advantage), "mean", clip=cfg.adv_clip)
+            tree.set_leaf_rewards(rewards)
+            trees, leaf_nodes = tree.trees, tree.leaf_nodes
+        credit = assign_credit(trees, cfg.advantage, clip=cfg.adv_clip)
         kept = keep[torch.tensor(slots)].float()
-        return [a * kept[k // cfg.group_size] for k, a in enumerate(tree.token_advantages(node_adv))]
+        if tree is None or credit.per_leaf:
+            values = torch.tensor([credit.leaves[(k // g, leaf)] for k, leaf in enumerate(leaf_nodes)])
+            return values * kept.repeat_interleave(g)
+        return [a * kept[k // g] for k, a in enumerate(tree.token_advantages(credit.nodes))]
 
     def optimise(
         self,
