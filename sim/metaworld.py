@@ -3,7 +3,7 @@
 expert; and its multi-task suites `metaworld/MT10` and `metaworld/MT50`, one task per episode.
 
 Meta-World 3.1.1 pins mujoco 3.3.0, but runs unchanged on the mujoco of mmrl's `robot` extra: install
-it with `pip install --no-deps metaworld==3.1.1` after mmrl (README: Robot policies).
+it with `pip install --no-deps metaworld==3.1.1` after mmrl (docs/robot.md: Meta-World).
 
 Each episode draws a fresh object and goal placement from the reset's seed (Meta-World's own random
 ranges), so that training and held-out seeds see different scenes; the goal position is observed. The

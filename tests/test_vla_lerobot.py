@@ -4,7 +4,7 @@ adapter. SmolVLA's VLM backbone (config, tokenizer, processor) is a tiny one wri
 nothing is downloaded; it needs transformers < 5, as LeRobot's smolvla extra pins.
 
 Only the missing-LeRobot tests run without LeRobot; the others skip with the reason (LeRobot pins an
-older torch, so it lives in a separate venv: README, LeRobot policies)."""
+older torch, so it lives in a separate venv: docs/robot.md, LeRobot policies)."""
 
 import json
 import sys
@@ -43,7 +43,7 @@ SMOLVLA_ERROR = _smolvla_error()
 needs_lerobot = pytest.mark.skipif(
     LEROBOT_ERROR is not None,
     reason=f"LeRobot >= 0.4 is not importable ({LEROBOT_ERROR}); pip install 'mmrl[lerobot]', in its own "
-    "venv (README: LeRobot policies)",
+    "venv (docs/robot.md: LeRobot policies)",
 )
 needs_smolvla = pytest.mark.skipif(
     SMOLVLA_ERROR is not None,
@@ -213,7 +213,9 @@ def test_lerobot_dirs_are_told_apart_by_config_type(tmp_path):
 def test_missing_lerobot_names_the_extra_and_the_recipe(tmp_path, no_lerobot):
     directory = fake_lerobot_dir(tmp_path)
     for load in (LeRobotPolicy.from_pretrained, load_policy):
-        with pytest.raises(ImportError, match=r"pip install 'mmrl\[lerobot\]'.*torch==2\.13\.0.*README"):
+        with pytest.raises(
+            ImportError, match=r"pip install 'mmrl\[lerobot\]'.*torch==2\.13\.0.*docs/robot\.md"
+        ):
             load(directory)
     with pytest.raises(ConfigError, match=r"is a LeRobot policy: .*pip install 'mmrl\[lerobot\]'"):
         check_config(VLAPoliciesEvalConfig(policies=[str(directory)], task="Reach"))

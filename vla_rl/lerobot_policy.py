@@ -31,7 +31,7 @@ processor files at its config's `vlm_model_name` even when the weights come from
 a hub id (SmolVLM2 for `lerobot/smolvla_base`) needs the hub or its local cache, so offline point
 `vlm_model_name` in config.json at a local copy of those files.
 
-LeRobot is an optional extra that pins an older torch; see the README (LeRobot policies) for a
+LeRobot is an optional extra that pins an older torch; see docs/robot.md (LeRobot policies) for a
 separate environment next to torch 2.13.
 """
 
@@ -54,7 +54,7 @@ from vla_rl.policy import VLAPolicy, as_batch
 INSTALL_HINT = (
     "LeRobot policies need LeRobot >= 0.4 (pip install 'mmrl[lerobot]'); LeRobot pins an older torch, "
     "so install it into a separate venv with torch==2.13.0 and torchvision==0.28.0 from PyPI, "
-    "`pip install --no-deps lerobot==0.4.4` and its other requirements (README: LeRobot policies)"
+    "`pip install --no-deps lerobot==0.4.4` and its other requirements (docs/robot.md: LeRobot policies)"
 )
 PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor.json", "policy_postprocessor.json"
 FLOW_MATCHING = ("smolvla",)  # LeRobot policy types the trainer can fine-tune (chunk sampling and loss)

@@ -272,7 +272,7 @@ class Transitions:
         function of its own state, so steps t.. of a segment are what it does from s_t) and the policy
         steps where a chunk was sampled. A policy step inside a chunk was decided at an earlier state,
         so it is not a sample of the policy at its own state; training on it as if it were pulls the
-        policy toward stale open-loop actions (docs/results.md, History)."""
+        policy toward stale open-loop actions (docs/results.md, Why the robot recipes are set as they are)."""
         return torch.nonzero(self.intervention | (self.chunk_step == 0)).flatten()
 
     def chunk_rows(self, rows: Tensor, horizon: int, executed: bool = True) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,6 @@
 """A tiny replica of LeRobot's SmolVLA for a sim task (`mmrl replica smolvla`), in the LeRobot
-environment of the README: the `vla/smolvla_habc` recipe runs on it on a CPU by the same code path
-as on `lerobot/smolvla_base` fine-tuned for the task.
+environment of docs/robot.md (LeRobot policies): the `vla/smolvla_habc` recipe runs on it on a CPU
+by the same code path as on `lerobot/smolvla_base` fine-tuned for the task.
 
 SmolVLA is SmolVLM2's first layers with an action expert beside them, trained by flow matching. The
 replica keeps LeRobotPolicy's SmolVLA class and its own config defaults, except the sizes: a SmolVLM

