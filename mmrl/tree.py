@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from mmrl.advantages import Advantages, tree_depthwise
+from mmrl.advantages import Advantages
 
 FUSION_MODES = ("mean", "logprob_weighted")
 WIDTH_PRUNE_MODES = ("top_half_per_branch", "best_worst_quarter")
@@ -94,9 +94,6 @@ class RolloutTree:
             if node.parent_id is not None:
                 counts[node.parent_id] += counts[node.node_id]
         return counts
-
-    def nodes_at_depth(self, depth: int) -> list[int]:
-        return [node.node_id for node in self.nodes if node.depth == depth]
 
     def set_leaf_reward(self, node_id: int, reward: float) -> None:
         if not self.nodes[node_id].is_leaf:
@@ -222,15 +219,6 @@ def width_prune(
         quarter = max(1, len(ranked) // 4)
         kept_leaves.update(ranked[:quarter] + ranked[-quarter:])
     return [edge for edge in tree.edges() if not tree.nodes[edge.child].is_leaf or edge.child in kept_leaves]
-
-
-def depthwise_node_advantages(
-    trees: Sequence[RolloutTree], fusion: str = "mean", clip: float = 5.0
-) -> dict[tuple[int, int], float]:
-    """BranchGRPO credit for a batch of trees: fuse leaf rewards up each tree, then normalise within
-    (tree, depth). Returns A(node) for every non-root node, keyed by (tree index, node id); the edge
-    parent -> node is trained with A(node)."""
-    return fused_node_advantages(trees, tree_depthwise, fusion, clip=clip)
 
 
 def fused_node_advantages(

@@ -23,7 +23,6 @@ from mmrl.config import ConfigError, load_config
 from mmrl.credit import assign_credit
 from mmrl.registry import SAMPLERS
 from mmrl.trainer import TrainingStopped
-from mmrl.tree import depthwise_node_advantages
 from tests.tiny_flow import SMALL
 
 load_plugins()
@@ -73,7 +72,7 @@ def test_tree_shape_and_model_evaluations(model_dir, tmp_path):
     trees, leaves, nfe = rollout(trainer, trainer.plan)
     assert leaves.shape == (32, 3, 16, 16)
     for tree in trees:
-        assert [len(tree.nodes_at_depth(d)) for d in range(5)] == [1, 2, 4, 8, 16]
+        assert [len([n for n in tree.nodes if n.depth == d]) for d in range(5)] == [1, 2, 4, 8, 16]
     # the model runs once per node and step; children of a split share their parent's evaluation
     assert nfe / len(trees) == 1 + 2 * 2 + 2 + 4 * 2 + 4 + 8 * 2 + 8 + 16 * 10 == 203
     flat = plan_for(trainer.config.rollout, branch_factor=16)
@@ -104,7 +103,7 @@ def test_any_leaves_replay_exactly_from_their_keys(model_dir, tmp_path, factors)
     plan = trainer.plan
     trees, leaves, _ = rollout(trainer, plan)
     shape = [1, 4, 8, 16] if factors else [1, 2, 4, 8]
-    assert [len(trees[0].nodes_at_depth(d)) for d in range(4)] == shape
+    assert [len([n for n in trees[0].nodes if n.depth == d]) for d in range(4)] == shape
     keys = [[t.nodes[n].state["key"] for n in t.leaves()] for t in trees]
     chosen = [[keys[0][1], keys[0][6]], [keys[1][0]]]
     replay, replay_leaves, _ = rollout(trainer, plan, skeletons=[ancestors(plan, c) for c in chosen])
@@ -157,7 +156,9 @@ def test_recomputed_log_probs_give_ratio_one(model_dir, tmp_path, monkeypatch):
     for tree in trees:
         for leaf in tree.leaves():
             tree.set_leaf_reward(leaf, float(leaf))
-    groups = training_samples(trees, depthwise_node_advantages(trees), trainer.config.prune)
+    groups = training_samples(
+        trees, assign_credit(trees, "tree_depthwise", clip=5.0).nodes, trainer.config.prune
+    )
     samples = [sample for group in groups for sample in group]
     assert len(samples) == 2 * (2 * 2 + 4 * 2 + 8 * 4)
     # siblings' first steps (at splits 0, 2, 4: 1 + 2 + 4 parents per tree) share their input
@@ -225,7 +226,9 @@ def test_flat_credit_on_a_tree_is_flat_grpo_on_its_leaves_paths(model_dir, tmp_p
     )
     # node credit (tree_depthwise) on the same tree weighs every edge once
     set_leaf_rewards(trees, rewards)
-    node = training_samples(trees, depthwise_node_advantages(trees), trainer.config.prune)
+    node = training_samples(
+        trees, assign_credit(trees, "tree_depthwise", clip=5.0).nodes, trainer.config.prune
+    )
     assert {w for g in node for *_, w in g} == {1.0}
 
 

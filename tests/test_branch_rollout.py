@@ -18,7 +18,8 @@ from diffusion_rl.config import PruneConfig, RolloutConfig
 from diffusion_rl.sde import sde_step, shifted_sigmas
 from mmrl.advantages import Advantages, tree_depthwise
 from mmrl.config import ConfigError
-from mmrl.tree import RolloutTree, depthwise_node_advantages, fused_node_advantages
+from mmrl.credit import assign_credit
+from mmrl.tree import RolloutTree, fused_node_advantages
 
 
 def keyed_tree(plan: TreePlan, records_per_edge: int = 1) -> RolloutTree:
@@ -79,7 +80,7 @@ def test_a_factor_per_split_numbers_the_tree_of_the_largest_factor():
     assert len(leaves) == len(set(leaves)) == 16
     assert leaves[:4] == [4 * (4 * 1 + 1) + 1, 4 * (4 * 1 + 1) + 2, 4 * (4 * 1 + 2) + 1, 4 * (4 * 1 + 2) + 2]
     tree = keyed_tree(plan)
-    assert [len(tree.nodes_at_depth(d)) for d in range(4)] == [1, 4, 8, 16]
+    assert [len([n for n in tree.nodes if n.depth == d]) for d in range(4)] == [1, 4, 8, 16]
     keys = [node.state["key"] for node in tree.nodes]
     assert len(set(keys)) == len(keys)
     assert sorted(tree.nodes[n].state["key"] for n in tree.leaves()) == sorted(leaves)
@@ -159,7 +160,10 @@ def test_fused_node_advantages_takes_any_tree_estimator_and_its_mask():
     plan = plan_for(RolloutConfig(steps=4, split_steps=[0, 2], branch_factor=2))
     trees = [keyed_tree(plan)]
     set_leaf_rewards(trees, torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    assert fused_node_advantages(trees, tree_depthwise, clip=5.0) == depthwise_node_advantages(trees)
+    assert (
+        fused_node_advantages(trees, tree_depthwise, clip=5.0)
+        == assign_credit(trees, "tree_depthwise", clip=5.0).nodes
+    )  # the credit of a tree estimator is its fused node advantages
 
     def leaves_only(node_rewards, tree_ids, depths):
         return Advantages(node_rewards - 0.25, depths == 2)

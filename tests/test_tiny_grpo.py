@@ -65,7 +65,7 @@ def test_tree_rollouts_share_prefixes_and_regenerate_from_keys():
     trees = sample_trees(model, prompts, [7, 9], rollout, seed=0, step=3)
     for tree in trees:
         assert len(tree.leaves()) == 16
-        assert [len(tree.nodes_at_depth(d)) for d in range(5)] == [1, 2, 4, 8, 16]
+        assert [len([n for n in tree.nodes if n.depth == d]) for d in range(5)] == [1, 2, 4, 8, 16]
         for leaf in tree.leaves():  # each edge holds one token and its log-prob
             for _, child in tree.path_to(leaf):
                 assert len(tree.nodes[child].action) == 1 and tree.nodes[child].old_logp.shape == (1,)

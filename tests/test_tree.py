@@ -37,7 +37,7 @@ def test_binary_tree_with_four_splits_has_sixteen_leaves():
     assert len(tree.leaves()) == 16
     assert len(tree) == 31
     assert tree.depth == 4
-    assert [len(tree.nodes_at_depth(d)) for d in range(5)] == [1, 2, 4, 8, 16]
+    assert [len([n for n in tree.nodes if n.depth == d]) for d in range(5)] == [1, 2, 4, 8, 16]
     assert len(tree.edges()) == 30
 
 
