@@ -53,8 +53,9 @@ BUILTIN_MODULES = (
 def load_plugins() -> None:
     """Fill the registries: mmrl's own modules, then the packages that declare the ``mmrl.plugins``
     entry point (the demo trainers in mmrl.examples, diffusion_rl, vlm_rl, vla_rl), so the core imports
-    none of them. Their register modules only declare entries (`Registry.provide`); an entry's module
-    is imported when it is first used, and one whose dependencies are missing or of other versions
+    none of them. Their register modules only name the modules that register entries
+    (`mmrl.registry.provide`); an entry's module is imported when it is first used, and one whose
+    dependencies are missing or of other versions
     says so then, while the others still work: e.g. `mmrl eval vla` in a LeRobot venv, whose
     transformers is too old for vlm_rl. A register module that fails to import is skipped with a
     warning."""

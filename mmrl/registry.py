@@ -6,8 +6,10 @@ Every pluggable piece of mmrl is looked up by name from a config, so each kind g
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,16 +63,13 @@ class Registry(Generic[T]):
         self._providers: dict[str, str] = {}  # name -> the module that registers it (`provide`)
         ALL_REGISTRIES[kind] = self
 
-    def provide(self, module: str, *names: str) -> None:
-        """Declare that importing `module` registers `names`: they are listed and accepted at once, and
-        the module is imported when one of them is first used. A plugin's register module declares its
-        entries so, and a command imports only the plugin code it runs (not every model library)."""
-        for name in names:
-            # the module may have been imported (and registered the name) already
-            registered_by = getattr(self._entries.get(name), "__module__", None)
-            if name in self._providers or (name in self._entries and registered_by != module):
-                raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
-            self._providers[name] = module
+    def _declare(self, module: str, name: str) -> None:
+        """Record that importing `module` registers `name` (see `provide`)."""
+        # the module may have been imported (and registered the name) already
+        registered_by = getattr(self._entries.get(name), "__module__", None)
+        if name in self._providers or (name in self._entries and registered_by != module):
+            raise ValueError(f"{self.kind} registry already has an entry named {name!r}")
+        self._providers[name] = module
 
     def _load(self, name: str) -> None:
         """Import the module that provides `name`, if it is declared and not yet registered."""
@@ -213,3 +212,50 @@ REPLICAS: Registry[Callable] = Registry(
 EVALUATORS: Registry[Callable] = Registry(
     "evaluator", "model evaluations run by `mmrl eval NAME key=value ...`"
 )
+
+
+def provide(*modules: str) -> None:
+    """Declare the entries that importing each of `modules` registers, read from the module's source
+    without importing it: every ``@<REGISTRY>.register("name", ...)`` in it, `<REGISTRY>` being one of
+    this module's registries by its name here (``REWARDS``, ``TRAINERS``, ...). The entries are listed
+    and accepted at once, and a module is imported when one of its entries is first used, so a plugin's
+    register module names only its modules, each entry is named once (where it is registered), and a
+    command imports only the plugin code it runs (not every model library)."""
+    for module in modules:
+        found = registered_names(module)
+        if not found:
+            raise ValueError(
+                f"plugin module {module} registers no entry that can be read from its source: register "
+                'each entry with a decorator such as @REWARDS.register("name") and a literal name'
+            )
+        for registry, name in found:
+            registry._declare(module, name)
+
+
+def registered_names(module: str) -> list[tuple[Registry, str]]:
+    """The (registry, name) of every literal ``<REGISTRY>.register("name", ...)`` call in `module`'s
+    source, in order; ValueError when the module's source cannot be found or a name is not a literal."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        raise ValueError(f"plugin module {module} is declared but no source file of it can be found")
+    registries = {name: obj for name, obj in globals().items() if isinstance(obj, Registry)}
+    with open(spec.origin, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), filename=spec.origin)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value
+        if node.func.attr != "register" or not isinstance(owner, ast.Name) or owner.id not in registries:
+            continue
+        first = node.args[0] if node.args else None
+        if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+            raise ValueError(
+                f"{spec.origin}:{node.lineno}: {owner.id}.register needs the entry's name as a string "
+                "literal, so that the plugin can declare it without importing the module"
+            )
+        found.append((registries[owner.id], first.value))
+    return found

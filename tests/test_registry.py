@@ -67,37 +67,73 @@ def test_a_kind_in_a_registry_without_kinds_is_refused(monkeypatch):
     assert "x" not in plain
 
 
-def test_a_declared_entry_is_listed_at_once_and_its_module_imported_on_first_use(monkeypatch, tmp_path):
+def test_a_provided_module_lists_its_entries_at_once_and_is_imported_on_first_use(monkeypatch, tmp_path):
     monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
     things = Registry("thing", "test entries")
+    monkeypatch.setattr(registry, "THINGS", things, raising=False)  # read by name, as REWARDS is
     (tmp_path / "lazy_things.py").write_text(
         textwrap.dedent(
             """
-            import test_registry_things as holder
+            from mmrl.registry import THINGS
 
-            @holder.things.register("wide")
+            @THINGS.register("wide")
             def wide():
                 return "wide"
+
+            @THINGS.register(
+                "tall",
+            )
+            def tall():
+                return "tall"
             """
         )
     )
+    unnamed = "from mmrl.registry import THINGS\nTHINGS.register(NAME)(len)\n"
+    (tmp_path / "unnamed_things.py").write_text(unnamed)
+    (tmp_path / "no_things.py").write_text("x = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    holder = type(sys)("test_registry_things")
-    holder.things = things
-    monkeypatch.setitem(sys.modules, "test_registry_things", holder)
-    things.provide("lazy_things", "wide")
-    things.provide("missing_module_of_things", "gone")
-    assert things.names() == ["gone", "wide"] and "wide" in things and "lazy_things" not in sys.modules
+    registry.provide("lazy_things")
+    assert things.names() == ["tall", "wide"] and "wide" in things and "lazy_things" not in sys.modules
     assert things.get("wide")() == "wide" and "lazy_things" in sys.modules
-    with pytest.raises(UnknownNameError, match="'gone' comes from missing_module_of_things, which cannot"):
-        things.get("gone")
     with pytest.raises(ValueError, match="already has an entry named 'wide'"):
-        things.provide("elsewhere", "wide")
-    # a module imported before its plugin's declarations (a test importing a trainer's module first)
-    things.register("early")(early := lambda: "early")
-    things.provide(early.__module__, "early")
-    assert things.get("early") is early
+        registry.provide("lazy_things")
+    with pytest.raises(ValueError, match=r"unnamed_things.py:2: THINGS.register needs the entry's name as a"):
+        registry.provide("unnamed_things")
+    with pytest.raises(ValueError, match="no_things registers no entry that can be read from its source"):
+        registry.provide("no_things")
+    with pytest.raises(ValueError, match="missing_module_of_things is declared but no source file"):
+        registry.provide("missing_module_of_things")
     monkeypatch.delitem(sys.modules, "lazy_things")
+
+
+def test_a_provided_module_that_fails_to_import_says_so_on_first_use(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
+    things = Registry("thing", "test entries")
+    monkeypatch.setattr(registry, "THINGS", things, raising=False)
+    (tmp_path / "broken_things.py").write_text(
+        "import a_library_not_installed\nfrom mmrl.registry import THINGS\n\n"
+        '@THINGS.register("gone")\ndef gone(): ...\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.provide("broken_things")
+    assert things.names() == ["gone"]
+    with pytest.raises(UnknownNameError, match="'gone' comes from broken_things, which cannot be imported"):
+        things.get("gone")
+
+
+def test_a_module_imported_before_its_plugin_is_declared_keeps_its_entries(monkeypatch, tmp_path):
+    """A test may import a trainer's module before the plugins are loaded: declaring it then is no clash."""
+    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
+    things = Registry("thing", "test entries")
+    monkeypatch.setattr(registry, "THINGS", things, raising=False)
+    (tmp_path / "early_things.py").write_text(
+        'from mmrl.registry import THINGS\n\n@THINGS.register("early")\ndef early():\n    return "early"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    early = importlib.import_module("early_things").early
+    registry.provide("early_things")
+    assert things.get("early") is early
+    monkeypatch.delitem(sys.modules, "early_things")
 
 
 def test_every_declared_plugin_entry_is_what_its_module_registers():

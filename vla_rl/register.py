@@ -1,10 +1,7 @@
-"""Entry point `mmrl.plugins`: declares vla_rl's trainers, bench, evaluator and replica; each module is
-imported when one of its entries is first used (`Registry.provide`)."""
+"""Entry point `mmrl.plugins`: declares the vla_rl modules that register trainers, the bench, the
+evaluator and the replica; each module is imported when one of its entries is first used
+(`mmrl.registry.provide`)."""
 
-from mmrl.registry import BENCHES, EVALUATORS, REPLICAS, TRAINERS
+from mmrl.registry import provide
 
-TRAINERS.provide("vla_rl.trainer", "vla_habc")
-TRAINERS.provide("vla_rl.pretrain", "vla_bc")
-BENCHES.provide("vla_rl.bench", "vla")
-EVALUATORS.provide("vla_rl.evaluate", "vla")
-REPLICAS.provide("vla_rl.smolvla_replica", "smolvla")
+provide("vla_rl.trainer", "vla_rl.pretrain", "vla_rl.bench", "vla_rl.evaluate", "vla_rl.smolvla_replica")

@@ -1,7 +1,6 @@
-"""Entry point `mmrl.plugins`: declares the demo trainers `tiny_grpo` and `tiny_sft`; each module is
-imported when its trainer is first used (`Registry.provide`)."""
+"""Entry point `mmrl.plugins`: declares the demo trainers' modules (`tiny_grpo`, `tiny_sft`); each is
+imported when its trainer is first used (`mmrl.registry.provide`)."""
 
-from mmrl.registry import TRAINERS
+from mmrl.registry import provide
 
-TRAINERS.provide("mmrl.examples.tiny_grpo", "tiny_grpo")
-TRAINERS.provide("mmrl.examples.tiny_sft", "tiny_sft")
+provide("mmrl.examples.tiny_grpo", "mmrl.examples.tiny_sft")
