@@ -14,7 +14,6 @@ import pytest
 
 import sim
 from mmrl.cli import main
-from mmrl.registry import REWARDS
 from vla_rl.policy import PAD, UNK, VLAConfig, VLAPolicy, task_vocabulary
 
 MMRL = str(Path(sys.executable).with_name("mmrl"))
@@ -162,7 +161,7 @@ def test_a_bad_plugin_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert "ModuleNotFoundError" in err and "a path to a .py file" in err
     assert main(["list", "--plugin", str(tmp_path / "missing.py")]) == 2
     assert "no such file" in capsys.readouterr().err
-    taken = REWARDS.names()[0]
+    taken = "answer_match"  # registered by mmrl.rewards, which every command imports before a plugin
     twice = tmp_path / "twice_reward.py"
     twice.write_text(f"from mmrl.registry import REWARDS\nREWARDS.register({taken!r})(len)\n")
     assert main(["list", "--plugin", str(twice)]) == 2
