@@ -54,9 +54,10 @@ from mmrl.config import ConfigError
 from mmrl.credit import GroupedRewards
 from mmrl.memory_plan import MemoryPlan
 from mmrl.rewards import RewardFn
+from mmrl.run_stops import TrainingStopped
 from mmrl.runlog import write_json
 from mmrl.samplers import build_sampler
-from mmrl.trainer import Trainer, TrainingStopped
+from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree
 
 GOLD_KEY = "gold"  # held-out metric heldout_gold

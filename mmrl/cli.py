@@ -35,8 +35,9 @@ from mmrl.config import (
 )
 from mmrl.memory_plan import LaunchConfig
 from mmrl.registry import ALL_REGISTRIES, BENCHES, EVALUATORS, REPLICAS, TRAINERS, UnknownNameError
+from mmrl.run_stops import TrainingInterrupted, TrainingStopped
 from mmrl.runlog import strict_json
-from mmrl.trainer import TrainingInterrupted, TrainingStopped, finite_or_named
+from mmrl.trainer import finite_or_named
 
 BUILTIN_MODULES = (
     "mmrl.advantages",

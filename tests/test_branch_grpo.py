@@ -22,7 +22,7 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.credit import assign_credit
 from mmrl.registry import SAMPLERS
-from mmrl.trainer import TrainingStopped
+from mmrl.run_stops import TrainingStopped
 from tests.tiny_flow import SMALL
 
 load_plugins()

@@ -12,7 +12,7 @@ from diffusion_rl.nft_trainer import DiffusionNFTTrainer, old_policy_decay
 from diffusion_rl.shapes import train_prompts, vocabulary
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, load_config
-from mmrl.trainer import TrainingStopped
+from mmrl.run_stops import TrainingStopped
 from tests.tiny_flow import SMALL
 
 load_plugins()

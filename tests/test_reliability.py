@@ -21,8 +21,8 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.examples.digits import TinyModelConfig, build_model
 from mmrl.registry import TRAINERS
+from mmrl.run_stops import TrainingStopped
 from mmrl.runlog import read_launches
-from mmrl.trainer import TrainingStopped
 from mmrl.watch import CollectiveWatch
 
 TINY = [

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mmrl.config import BaseConfig
-from mmrl.trainer import StepSkipped, Trainer, TrainingStopped
+from mmrl.run_stops import StepSkipped, TrainingStopped
+from mmrl.trainer import Trainer
 
 
 class LinearTrainer(Trainer):

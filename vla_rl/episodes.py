@@ -22,7 +22,7 @@ noise generator of each episode (seeded with its reset seed) once per step of th
 
 What the user's code gives the loop is checked: an env observation its adapter refuses
 (`sim.adapters.ObservationError`: NaN, a frame that is not an image) and a scripted expert that raises
-or returns a non-finite action stop the run (`mmrl.trainer.TrainingStopped`) with one line naming the
+or returns a non-finite action stop the run (`mmrl.run_stops.TrainingStopped`) with one line naming the
 env or expert, the task and the step. Runs check the first observation and the expert's first action
 in their setup (`check_first_observation`), so that a fault there is refused before anything is written.
 """
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from mmrl.config import ConfigError
-from mmrl.trainer import TrainingStopped
+from mmrl.run_stops import TrainingStopped
 from vla_rl.supervisor import Supervisor, TakeoverRule
 
 if TYPE_CHECKING:

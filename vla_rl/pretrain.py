@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
-from mmrl.trainer import Trainer, TrainingStopped, warmup_cosine
+from mmrl.run_stops import TrainingStopped
+from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.episodes import check_first_observation, make_env
 from vla_rl.evaluate import TASK_HELP, evaluate_policy

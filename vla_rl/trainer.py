@@ -51,7 +51,8 @@ from mmrl.config import ConfigError, shipped_path
 from mmrl.losses import aggregate_loss
 from mmrl.memory_plan import MemoryPlan
 from mmrl.registry import TRAINERS
-from mmrl.trainer import StepSkipped, Trainer, warmup_cosine
+from mmrl.run_stops import StepSkipped
+from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.baselines import BUFFER_METHODS, ActorTargets
 from vla_rl.branching import BranchedGroups, branched_rollouts
 from vla_rl.buffer import ReplayBuffer
