@@ -22,8 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from mmrl.config import ConfigError, check_output_dir, load_config, read_json_object, to_dict  # noqa: E402
-from mmrl.report import check_run_dir, metric_number, read_metric_rows  # noqa: E402
-from mmrl.runlog import read_launches  # noqa: E402
+from mmrl.runlog import check_run_dir, metric_number, read_launches, read_metric_rows  # noqa: E402
 
 
 def check_plot_path(out: str | Path) -> Path:

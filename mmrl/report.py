@@ -3,28 +3,21 @@
 The page inlines everything (PNG/GIF/video data URIs, CSS) so it can be mailed, archived or opened
 on a machine without the run directory or network access. Embedded media are capped so that a long
 run with thousands of sample grids still gives a page a browser opens quickly; what was left out is
-listed by name.
+listed by name. The curves are drawn by `mmrl.report_curves`.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from mmrl.config import ConfigError  # noqa: E402
-from mmrl.runlog import METRICS_FILE, read_launches, read_metrics  # noqa: E402
+from mmrl.report_curves import constant_metrics, metric_curves
+from mmrl.runlog import METRICS_FILE, check_run_dir, metric_number, read_launches, read_metric_rows
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".webm")
@@ -47,21 +40,6 @@ MAX_FILE_BYTES = 8 * 2**20  # one media file larger than this is listed, not emb
 MAX_MEDIA_BYTES = 32 * 2**20  # all embedded media together
 MAX_JSON_BYTES = 2 * 2**20  # JSON records larger than this are named, not rendered
 MAX_TABLE_ROWS = 200
-PLOTS_PER_FIGURE = 12  # a metric group with more curves is split over several figures
-SMOOTH_FROM = 60  # curves with at least this many points also get a moving average
-CURVE_COLOR = "C0"
-
-# Metric groups, first match wins (names with a "/" are grouped by their prefix instead).
-GROUPS = [
-    ("Held-out evaluation during training", re.compile(r"^(eval_|heldout)")),
-    ("Reward and task", re.compile(r"reward|accuracy|success|score|tool|answer|align|tau|return")),
-    ("Optimisation", re.compile(r"loss|kl|clip|grad|ratio|weight|lr$|^lr|entropy|adv|norm|value")),
-    (
-        "Cost and throughput",
-        re.compile(r"nfe|second|time|token|fps|memory|mem_|step|leaves|frames|sequences"),
-    ),
-]
-OTHER_GROUP = "Other"
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;padding:0 1em;color:#222}
@@ -103,31 +81,6 @@ def _cell(value: Any) -> str:
     return f"<td class='num'>{_esc(_fmt(value))}</td>" if numeric else f"<td>{_esc(_fmt(value))}</td>"
 
 
-def metric_number(value: Any) -> float | None:
-    """A metric value as a float; the strings runlog writes for NaN/inf count, other values do not."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
-        return float(value)
-    return None
-
-
-def read_metric_rows(run: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl ([] without one), refusing a row whose step is not a number
-    (ConfigError naming the file and the row): no curve could place it, and runs never log one."""
-    rows = read_metrics(run)
-    for index, row in enumerate(rows, 1):
-        step = row.get("step", 0) if isinstance(row, dict) else 0
-        if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
-            raise ConfigError(
-                f"{str(run / METRICS_FILE)!r}: row {index} has step = {step!r}, not a number: fix that "
-                "row (steps count from 1) or delete it"
-            )
-    return [row for row in rows if isinstance(row, dict)]
-
-
 def _natural_key(path: Path) -> list[Any]:
     """Sort step_9 before step_10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
@@ -137,117 +90,8 @@ def _data_uri(mime: str, data: bytes) -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
-def _png_data_uri(fig: plt.Figure, tight: bool = True) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight" if tight else None)
-    plt.close(fig)
-    return _data_uri("image/png", buffer.getvalue())
-
-
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.0f} kB"
-
-
-# ------------------------------------------------------------------------------------------ curves
-
-
-def metric_group(name: str) -> str:
-    """The section a metric is drawn in: its "prefix/" if it has one, else by what its name says."""
-    if "/" in name:
-        return name.split("/", 1)[0]
-    lowered = name.lower()
-    return next((group for group, pattern in GROUPS if pattern.search(lowered)), OTHER_GROUP)
-
-
-def metric_series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """(step, value) points of every numeric metric, in first-logged order."""
-    series: dict[str, list[tuple[float, float]]] = {}
-    for index, row in enumerate(rows):
-        step = row.get("step", index)
-        for key, value in row.items():
-            number = metric_number(value)
-            if key != "step" and number is not None:
-                series.setdefault(key, []).append((float(step), number))
-    return series
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    out, total, count, queue = [], 0.0, 0, []
-    for value in values:
-        finite = math.isfinite(value)
-        queue.append(value if finite else None)
-        total, count = total + (value if finite else 0.0), count + finite
-        if len(queue) > window:
-            old = queue.pop(0)
-            if old is not None:
-                total, count = total - old, count - 1
-        out.append(total / count if count else float("nan"))
-    return out
-
-
-def _group_figure(names: list[str], series: dict[str, list[tuple[float, float]]]) -> str:
-    """One PNG with a small plot per metric, three per row."""
-    cols = min(3, len(names))
-    rows = math.ceil(len(names) / cols)
-    width, height = 4.3 * cols, 2.7 * rows
-    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
-    # Fixed margins in inches instead of tight_layout: each layout pass redraws every axis, which
-    # tripled the time of a page with many metrics.
-    fig.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - 0.3 / height)
-    fig.subplots_adjust(wspace=0.28, hspace=0.45)
-    for ax in axes.flat[len(names) :]:
-        ax.set_visible(False)
-    for ax, name in zip(axes.flat, names, strict=False):
-        steps = [p[0] for p in series[name]]
-        values = [p[1] for p in series[name]]
-        sparse = len(values) <= 20
-        if len(values) >= SMOOTH_FROM:
-            ax.plot(steps, values, color=CURVE_COLOR, lw=0.8, alpha=0.35)
-            smooth = _moving_average(values, max(2, len(values) // 30))
-            ax.plot(steps, smooth, color=CURVE_COLOR, lw=1.6)
-        else:
-            ax.plot(steps, values, color=CURVE_COLOR, lw=1.6, marker="o" if sparse else None, ms=3)
-        finite = [v for v in values if math.isfinite(v)]
-        last = f"last {values[-1]:.4g}" if values else ""
-        if finite and len(finite) < len(values):
-            last += f", {len(values) - len(finite)} non-finite"
-        ax.set_title(f"{name}  ({last})", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    return _png_data_uri(fig, tight=False)
-
-
-def _is_constant(points: list[tuple[float, float]]) -> bool:
-    """One value throughout (NaN/inf count as values), or nothing finite at all: no curve to draw."""
-    values = [p[1] for p in points]
-    finite = {v for v in values if math.isfinite(v)}
-    return not finite or len(finite) == 1 and len(finite) == len(set(map(str, values)))
-
-
-def metric_curves(rows: list[dict]) -> list[tuple[str, list[str], str]]:
-    """(group, metric names, PNG data URI) for every group of metrics that change during the run.
-    Metrics that never change are left to the caller's table (see `constant_metrics`)."""
-    series = metric_series(rows)
-    groups: dict[str, list[str]] = {}
-    for name, points in series.items():
-        if not _is_constant(points):
-            groups.setdefault(metric_group(name), []).append(name)
-    order = [g for g, _ in GROUPS] + sorted(g for g in groups if g not in dict(GROUPS) and g != OTHER_GROUP)
-    order.append(OTHER_GROUP)
-    figures = []
-    for group in order:
-        names = groups.get(group, [])
-        chunks = [names[i : i + PLOTS_PER_FIGURE] for i in range(0, len(names), PLOTS_PER_FIGURE)]
-        for i, chunk in enumerate(chunks):
-            title = group if len(chunks) == 1 else f"{group} ({i + 1}/{len(chunks)})"
-            figures.append((title, chunk, _group_figure(chunk, series)))
-    return figures
-
-
-def constant_metrics(rows: list[dict]) -> dict[str, Any]:
-    """Metrics with one value through the whole log (e.g. skipped_steps = 0): a table, not a flat line."""
-    return {name: points[0][1] for name, points in metric_series(rows).items() if _is_constant(points)}
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -430,30 +274,6 @@ def media_html(run: Path) -> tuple[str, str]:
 
 
 # -------------------------------------------------------------------------------------------- page
-
-
-def _run_markers(run: Path) -> list[str]:
-    names = ["config.yaml", METRICS_FILE, "eval.json"]
-    found = [n for n in names if (run / n).is_file()]
-    return found + [p.name for p in sorted(run.glob("eval_*.json"))]
-
-
-def check_run_dir(run_dir: str | Path) -> Path:
-    """The run directory as a Path; FileNotFoundError that says what a run directory holds (and names
-    the run directories inside, when given their parent) if it is not one."""
-    run = Path(run_dir)
-    if not run.exists():
-        raise FileNotFoundError(f"run directory {str(run)!r} does not exist")
-    if not run.is_dir():
-        raise FileNotFoundError(f"{str(run)!r} is a file, not a run directory; give the output_dir of a run")
-    if _run_markers(run):
-        return run
-    inside = sorted(str(p.parent) for p in run.glob("**/config.yaml") if "checkpoints" not in p.parts)[:8]
-    hint = f"; run directories inside it: {', '.join(inside)}" if inside else ""
-    raise FileNotFoundError(
-        f"{str(run)!r} is not a run directory (it has no config.yaml, metrics.jsonl, eval.json or "
-        f"eval_*.json); give the output_dir of a run{hint}"
-    )
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:

@@ -1,6 +1,7 @@
 """The run directory's records: one JSON object per step in ``metrics.jsonl``, optional TensorBoard,
 ``launches.jsonl``, strict JSON files (`write_json`) and the lock that keeps one run per directory
-(`lock_run_dir`)."""
+(`lock_run_dir`); and reading them back for reports and comparisons (`check_run_dir`,
+`read_metric_rows`, `metric_number`)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,55 @@ def read_jsonl(path: Path) -> list[Any]:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of a run directory's ``metrics.jsonl``, in the order they were logged."""
     return read_jsonl(run_dir / METRICS_FILE)
+
+
+def metric_number(value: Any) -> float | None:
+    """A metric value as a float; the strings runlog writes for NaN/inf count, other values do not."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+        return float(value)
+    return None
+
+
+def read_metric_rows(run: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl ([] without one), refusing a row whose step is not a number
+    (ConfigError naming the file and the row): no curve could place it, and runs never log one."""
+    rows = read_metrics(run)
+    for index, row in enumerate(rows, 1):
+        step = row.get("step", 0) if isinstance(row, dict) else 0
+        if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
+            raise ConfigError(
+                f"{str(run / METRICS_FILE)!r}: row {index} has step = {step!r}, not a number: fix that "
+                "row (steps count from 1) or delete it"
+            )
+    return [row for row in rows if isinstance(row, dict)]
+
+
+def _run_markers(run: Path) -> list[str]:
+    names = ["config.yaml", METRICS_FILE, "eval.json"]
+    found = [n for n in names if (run / n).is_file()]
+    return found + [p.name for p in sorted(run.glob("eval_*.json"))]
+
+
+def check_run_dir(run_dir: str | Path) -> Path:
+    """The run directory as a Path; FileNotFoundError that says what a run directory holds (and names
+    the run directories inside, when given their parent) if it is not one."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise FileNotFoundError(f"run directory {str(run)!r} does not exist")
+    if not run.is_dir():
+        raise FileNotFoundError(f"{str(run)!r} is a file, not a run directory; give the output_dir of a run")
+    if _run_markers(run):
+        return run
+    inside = sorted(str(p.parent) for p in run.glob("**/config.yaml") if "checkpoints" not in p.parts)[:8]
+    hint = f"; run directories inside it: {', '.join(inside)}" if inside else ""
+    raise FileNotFoundError(
+        f"{str(run)!r} is not a run directory (it has no config.yaml, metrics.jsonl, eval.json or "
+        f"eval_*.json); give the output_dir of a run{hint}"
+    )
 
 
 def truncate_after(path: Path, step: int) -> None:

@@ -16,7 +16,9 @@ from PIL import Image
 
 from mmrl import compare, report
 from mmrl.cli import main
-from mmrl.report import build_report, check_run_dir, json_html, metric_group, write_report
+from mmrl.report import build_report, json_html, write_report
+from mmrl.report_curves import metric_group
+from mmrl.runlog import check_run_dir
 
 C0_BLUE = np.array([0x1F, 0x77, 0xB4])  # matplotlib's default line colour, used for every curve
 
