@@ -44,8 +44,9 @@ from diffusion_rl.models import FlowPipeline, check_model_directory
 from diffusion_rl.reward_terms import RewardFailed, build_reward, scored
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, parse_prompt, train_prompts
-from mmrl.compare import group_methods, mean_ci95, method_labels, t_975
+from mmrl.compare import mean_ci95, t_975
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
+from mmrl.method_groups import group_methods, method_labels
 from mmrl.registry import EVALUATORS
 from mmrl.runlog import write_json
 from mmrl.trainer import finite_or_named

@@ -29,8 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mmrl.bench_all import print_table
-from mmrl.compare import chosen_labels, distinct_runs, group_methods, run_config
 from mmrl.config import ConfigError
+from mmrl.method_groups import chosen_labels, distinct_runs, group_methods, run_config
 
 
 def weight_files(run: Path) -> list[tuple[Path, Path]]:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmrl import compare, report
+from mmrl import compare, method_groups, report
 from mmrl.cli import main
 from mmrl.report import build_report, json_html, write_report
 from mmrl.report_curves import metric_group
@@ -548,7 +548,7 @@ def test_compare_labels(tmp_path, capsys, monkeypatch):
     assert main(["report", a[0], a[0], "--compare", str(png)]) == 2
     assert "given twice" in capsys.readouterr().err
     groups = [[Path("r/x_lr3_s0"), Path("r/x_lr3_s1")], [Path("q/flat-seed-1"), Path("q/flat-seed-2")]]
-    assert compare.method_labels([*groups, [Path("one_s0")]]) == ["x_lr3", "flat", "one_s0"]
+    assert method_groups.method_labels([*groups, [Path("one_s0")]]) == ["x_lr3", "flat", "one_s0"]
 
 
 def test_t_quantiles():
