@@ -238,9 +238,18 @@ def _normalised_within(r: Tensor, keys: Tensor, eps: float, unbiased: bool) -> t
     return values.masked_fill((std < DEGENERATE_STD) | (n < 2), 0.0), n
 
 
-def _by_tree_depth(ancestors: Tensor, depths: Tensor) -> Tensor:
-    """One key per (tree, depth): the nodes a depth-wise advantage compares."""
-    return ancestors[:, 0] * ancestors.shape[1] + depths
+def _depthwise(
+    node_rewards: Tensor, parents: Tensor, depths: Tensor, eps: float, clip: float | None, unbiased: bool
+) -> Advantages:
+    """Every node's reward normalised over the nodes at its depth of its tree (one key per (tree,
+    depth)), with the unbiased or the population standard deviation, clipped to [-clip, clip]."""
+    node_rewards = _as_float(node_rewards)
+    ancestors = _ancestors(parents, depths)
+    by_tree_depth = ancestors[:, 0] * ancestors.shape[1] + depths
+    values, _ = _normalised_within(node_rewards.double(), by_tree_depth, eps, unbiased)
+    if clip is not None:
+        values = values.clamp(-clip, clip)
+    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
 
 
 @ADVANTAGES.register("tree_depthwise", kind="tree", source="BranchGRPO's code")
@@ -257,12 +266,7 @@ def tree_depthwise(
     of few nodes gets smaller advantages than a wide one (x0.71 at two nodes, x0.96 at twelve):
     `tree_depthwise_population_std` gives every depth unit scale instead.
     """
-    node_rewards = _as_float(node_rewards)
-    ancestors = _ancestors(parents, depths)
-    values, _ = _normalised_within(node_rewards.double(), _by_tree_depth(ancestors, depths), eps, True)
-    if clip is not None:
-        values = values.clamp(-clip, clip)
-    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+    return _depthwise(node_rewards, parents, depths, eps, clip, unbiased=True)
 
 
 @ADVANTAGES.register(
@@ -275,12 +279,7 @@ def tree_depthwise_population_std(
     with a spread gets advantages of mean 0 and std 1 up to eps, whatever its number of nodes, where
     BranchGRPO's unbiased std scales a depth of n nodes by sqrt((n - 1) / n) and so weighs shallow,
     narrow depths less. Otherwise as `tree_depthwise`."""
-    node_rewards = _as_float(node_rewards)
-    ancestors = _ancestors(parents, depths)
-    values, _ = _normalised_within(node_rewards.double(), _by_tree_depth(ancestors, depths), eps, False)
-    if clip is not None:
-        values = values.clamp(-clip, clip)
-    return Advantages(values.to(node_rewards.dtype), _keep_all(node_rewards))
+    return _depthwise(node_rewards, parents, depths, eps, clip, unbiased=False)
 
 
 @ADVANTAGES.register("treepo", kind="tree", source="TreePO's code (tree_reinforce_plus_plus_baseline)")
