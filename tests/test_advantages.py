@@ -19,6 +19,9 @@ from mmrl.advantages import (
 )
 from mmrl.registry import ADVANTAGES
 
+GROUP_ESTIMATORS = [grpo, grpo_global_std, rloo, mc_grpo]
+TREE_ESTIMATORS = [tree_depthwise, tree_depthwise_population_std, tree_depthwise_nested, tree_value, treepo]
+
 
 def group_means(values: torch.Tensor, group_ids: torch.Tensor) -> list[float]:
     return [values[group_ids == g].double().mean().item() for g in group_ids.unique()]
@@ -400,15 +403,6 @@ def test_tree_value_is_grpo_on_a_flat_group_and_scales_shallow_credit_by_the_gap
     assert value[3] > 0 > value[4] and value[5] > 0 > value[6]
 
 
-@pytest.mark.parametrize(
-    "estimator", [tree_depthwise, tree_depthwise_population_std, tree_depthwise_nested, tree_value, treepo]
-)
-def test_tree_estimators_refuse_a_non_finite_node_reward(estimator):
-    rewards = torch.tensor([0.5, float("nan"), 1.0])
-    with pytest.raises(ValueError, match="rewards contain NaN .*index 1"):
-        estimator(rewards, torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 1]))
-
-
 def test_tree_estimators_refuse_a_parent_table_that_is_not_a_forest():
     rewards = torch.zeros(3)
     with pytest.raises(ValueError, match="parent's depth \\+ 1"):
@@ -467,7 +461,7 @@ def test_gae_rejects_bad_shapes_and_nan():
         td1(torch.zeros(4), torch.tensor([0.0, float("nan"), 0, 0, 0]), torch.zeros(4))
 
 
-@pytest.mark.parametrize("estimator", [grpo, grpo_global_std, rloo, mc_grpo])
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
 def test_group_estimators_are_permutation_invariant(estimator):
     torch.manual_seed(5)
     ids = torch.arange(-20, 20).repeat_interleave(5) * 7919  # negative, non-contiguous labels
@@ -478,9 +472,7 @@ def test_group_estimators_are_permutation_invariant(estimator):
     assert torch.equal(permuted.loss_mask, out.loss_mask[perm])
 
 
-@pytest.mark.parametrize(
-    "estimator", [tree_depthwise, tree_depthwise_population_std, tree_depthwise_nested, tree_value, treepo]
-)
+@pytest.mark.parametrize("estimator", TREE_ESTIMATORS)
 def test_tree_estimators_are_permutation_invariant(estimator):
     torch.manual_seed(6)
     parents, depths, _ = binary_forest(8, 3)
@@ -491,13 +483,17 @@ def test_tree_estimators_are_permutation_invariant(estimator):
     torch.testing.assert_close(estimator(rewards[perm], moved_parents, depths[perm]).values, out[perm])
 
 
-@pytest.mark.parametrize("estimator", [grpo, grpo_global_std, rloo, mc_grpo])
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS + TREE_ESTIMATORS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_rewards_raise(estimator, bad):
     rewards = torch.tensor([1.0, bad, 0.0])
     kind = "NaN" if math.isnan(bad) else "inf"
+    if estimator in TREE_ESTIMATORS:
+        structure = (torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 1]))  # a root and its two children
+    else:
+        structure = (torch.zeros(3, dtype=torch.long),)  # one group
     with pytest.raises(ValueError, match=f"rewards contain {kind} .*index 1"):
-        estimator(rewards, torch.zeros(3, dtype=torch.long))
+        estimator(rewards, *structure)
 
 
 def test_integer_rewards_and_dtype_preserved():

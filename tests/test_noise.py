@@ -83,26 +83,25 @@ def test_normal_and_uniform_draws_of_a_key_are_different_distributions():
     assert uniform.min() >= 0 and uniform.max() < 1
 
 
-def test_batch_row_equals_the_draw_of_its_key_alone():
-    keys = [NoiseKey(7, 3, prompt, node, stream=1) for prompt in range(2) for node in range(5)]
-    batch = keyed_randn_batch((4, 6, 6), keys)
-    assert batch.shape == (10, 4, 6, 6)
+@pytest.mark.parametrize(
+    ("batch_draw", "single_draw"), [(keyed_randn_batch, keyed_randn), (keyed_rand_batch, keyed_rand)]
+)
+def test_batch_row_equals_the_draw_of_its_key_alone(batch_draw, single_draw):
+    keys = [
+        NoiseKey(7, 3, prompt, node, stream=position)
+        for prompt in range(2)
+        for node in range(5)
+        for position in range(2)
+    ]
+    batch = batch_draw((4, 6, 6), keys)
+    assert batch.shape == (20, 4, 6, 6)
     for row, key in zip(batch, keys, strict=True):
-        single = keyed_randn(
-            (4, 6, 6), seed=key.seed, step=key.step, prompt=key.prompt, node=key.node, stream=1
+        single = single_draw(
+            (4, 6, 6), seed=key.seed, step=key.step, prompt=key.prompt, node=key.node, stream=key.stream
         )
         assert torch.equal(row, single)
-    assert torch.equal(keyed_randn_batch((4, 6, 6), keys[3:4])[0], batch[3])
-    assert keyed_randn_batch(5, []).shape == (0, 5)
-
-
-def test_uniform_batch_row_equals_the_draw_of_its_key_alone():
-    keys = [NoiseKey(7, 3, 1, node, stream=position) for node in range(4) for position in range(3)]
-    batch = keyed_rand_batch(50, keys)
-    assert batch.shape == (12, 50)
-    for row, key in zip(batch, keys, strict=True):
-        single = keyed_rand(50, seed=7, step=3, prompt=1, node=key.node, stream=key.stream)
-        assert torch.equal(row, single)
+    assert torch.equal(batch_draw((4, 6, 6), keys[3:4])[0], batch[3])
+    assert batch_draw(5, []).shape == (0, 5)
 
 
 def test_dtype_cast_agrees_with_float32_draw():
