@@ -21,10 +21,11 @@ import os
 if ctypes.util.find_library("EGL"):
     os.environ.setdefault("MUJOCO_GL", "egl")
 
-from sim.adapters import EXTERNAL_EXPERTS, EXTERNAL_TASKS, ExternalTask, StatePart  # noqa: E402
 from sim.env import ArmEnv  # noqa: E402
+from sim.external import EXTERNAL_EXPERTS, EXTERNAL_TASKS, ExternalTask  # noqa: E402
 from sim.randomization import DomainRandomization  # noqa: E402
 from sim.registry import METAWORLD_PREFIX, TASKS, expert_for, make, register_task, task_id  # noqa: E402
+from sim.state_parts import StatePart  # noqa: E402
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv  # noqa: E402
 
 __all__ = [

@@ -6,37 +6,36 @@ Our interface: dict observations with "state" (a flat float32 vector) and option
 `instruction`, `proprio_dim` (the leading entries of "state" a policy may see), `state_layout` and
 `get_state()`.
 
-"state" is built from `StatePart`s: named pieces of observation keys (a whole key, or a slice of one,
-so that one observation vector holding both the robot's and an object's poses can be split into the
-proprioception a policy sees and the privileged rest).
+"state" is built from `StatePart`s (`sim.state_parts`): named pieces of observation keys (a whole key,
+or a slice of one), so that what a policy may see comes first and the privileged rest after it.
 
 What an env returns is checked at every observation, reset included: every number of the keys that
 "state" reads must be finite, and a camera frame from `render()` must be HxWx3 of the image space's
 size, uint8, or floating point in [0, 1] (converted to uint8 as round(255 * x)). Anything else is an
 `ObservationError` naming the env, the observation key, when it happened and the fix.
 
-`EXTERNAL_TASKS` lists the external tasks the trainers accept by their gymnasium id and
-`EXTERNAL_EXPERTS` their scripted experts; both are filled by `sim.register_task` (FetchReach by
-`import sim`, a user's task by their module, e.g. loaded with `mmrl --plugin`). `sim.make` builds them
-through `make_external`.
+An external task (`sim.external.ExternalTask`) is made through `make_external`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
-from sim.env import OBS_MODES
+from sim.state_parts import (
+    WHOLE_OBSERVATION,
+    PartSpec,
+    StatePart,
+    check_parts,
+    key_space,
+    parts_layout,
+    whole_keys,
+)
 
 SuccessFn = Callable[[Any, dict[str, Any]], bool]
-PartSpec = Union["StatePart", tuple[Any, ...]]  # see StatePart.of
-WHOLE_OBSERVATION = "observation"  # the key that names a non-Dict observation in a StatePart
 IMAGE_FIX = "return HxWx3 uint8 frames (0-255), or floats in [0, 1]"
 
 
@@ -71,114 +70,6 @@ def rgb_frame(frame: Any, shape: tuple[int, ...] | None) -> np.ndarray:
             "(floats of 0-255 as frame.astype(np.uint8))"
         )
     return np.rint(frame * 255.0).astype(np.uint8)
-
-
-@dataclass(frozen=True)
-class StatePart:
-    """Entries `start:stop` of observation `key` (flattened), called `name` in the state layout.
-
-    `whole`: the part is all of `key`, which must then have exactly `stop` entries (checked when the
-    env is made). A non-Dict observation is addressed as the key "observation"."""
-
-    name: str
-    key: str
-    start: int
-    stop: int
-    whole: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.name or not self.key:
-            raise ValueError(f"state part {self}: give a name and an observation key")
-        if not 0 <= self.start < self.stop:
-            raise ValueError(
-                f"state part {self.name!r} = {self.key}[{self.start}:{self.stop}] is empty: "
-                "need 0 <= start < stop"
-            )
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    def describe(self) -> str:
-        return (
-            f"{self.name!r} (all of {self.key!r})"
-            if self.whole
-            else f"{self.name!r} ({self.key}[{self.start}:{self.stop}])"
-        )
-
-    @classmethod
-    def of(cls, spec: PartSpec) -> StatePart:
-        """A part from a StatePart, a whole key `(key, size)` or a named slice `(name, key, start, stop)`."""
-        if isinstance(spec, StatePart):
-            return spec
-        if isinstance(spec, Sequence) and not isinstance(spec, str):
-            if len(spec) == 2:
-                return cls(str(spec[0]), str(spec[0]), 0, int(spec[1]), whole=True)
-            if len(spec) == 4:
-                return cls(str(spec[0]), str(spec[1]), int(spec[2]), int(spec[3]))
-        raise ValueError(
-            f"state part {spec!r}: give (key, size) for a whole observation key, (name, key, start, stop) "
-            "for a slice of one, or a sim.adapters.StatePart"
-        )
-
-
-def parts_layout(parts: Sequence[StatePart]) -> dict[str, slice]:
-    """Where each part lies in "state", the parts concatenated in order."""
-    ends = np.cumsum([p.size for p in parts]).tolist()
-    return {p.name: slice(end - p.size, end) for p, end in zip(parts, ends, strict=True)}
-
-
-def whole_keys(space: gym.Space, keys: Sequence[str] | None) -> list[StatePart] | None:
-    """Parts that are whole observation keys, in `keys` order (each key once; by default gymnasium's
-    own order); None for a space that is not a Dict (then flattened whole)."""
-    if not isinstance(space, gym.spaces.Dict):
-        if keys is not None:
-            raise ValueError(f"state_keys needs Dict observations, not {type(space).__name__}")
-        return None
-    if keys is None:
-        keys = list(space.spaces)
-    if sorted(keys) != sorted(space.spaces):
-        raise ValueError(
-            f"state_keys = {list(keys)} must name every observation key once: {list(space.spaces)}"
-        )
-    return [StatePart(k, k, 0, gym.spaces.flatdim(space[k]), whole=True) for k in keys]
-
-
-def key_space(space: gym.Space, part: StatePart) -> gym.Space:
-    """The observation space of the part's key, or a ValueError naming the keys there are."""
-    if isinstance(space, gym.spaces.Dict):
-        if part.key not in space.spaces:
-            raise ValueError(
-                f"state part {part.describe()}: the observations have no key {part.key!r}; "
-                f"their keys: {', '.join(space.spaces)}"
-            )
-        return space[part.key]
-    if part.key != WHOLE_OBSERVATION:
-        raise ValueError(
-            f"state part {part.describe()}: the observations are one {type(space).__name__}, not a Dict; "
-            f"call it {WHOLE_OBSERVATION!r}"
-        )
-    return space
-
-
-def check_parts(space: gym.Space, parts: Sequence[StatePart]) -> list[StatePart]:
-    """`parts` checked against the env's observation space: names used once, keys that exist, slices
-    inside their key, whole keys of their stated size."""
-    if not parts:
-        raise ValueError("state_parts is empty: name at least one part of the observations")
-    seen: set[str] = set()
-    for part in parts:
-        if part.name in seen:
-            raise ValueError(f"state part name {part.name!r} is used twice; give each part its own name")
-        seen.add(part.name)
-        size = gym.spaces.flatdim(key_space(space, part))
-        if part.whole and part.stop != size:
-            raise ValueError(
-                f"state part {part.describe()} is given {part.stop} entries, but {part.key!r} has {size}"
-            )
-        if part.stop > size:
-            raise ValueError(f"state part {part.describe()} is out of range: {part.key!r} has {size} entries")
-    return list(parts)
 
 
 class SuccessAdapter(gym.Wrapper, gym.utils.RecordConstructorArgs):
@@ -426,125 +317,3 @@ def make_external(
     except ValueError:
         env.close()
         raise
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExternalTask:
-    """A gymnasium task from outside mmrl that the trainers accept by its id, once registered with
-    `sim.register_task`: its instruction, the parts of the observations a policy may see (`proprio`,
-    first in "state") and those only experts and critics read (`privileged`), the module whose import
-    registers `env_id` with gymnasium (`package`; empty when the registering code has already run,
-    as in a plugin module) and extra `gymnasium.make` arguments.
-
-    A part is a whole observation key `(key, size)`, a named slice `(name, key, start, stop)` (e.g.
-    `("grip_pos", "observation", 0, 3)`) or a `StatePart`. With images the env is made with
-    render_mode="rgb_array", width and height."""
-
-    env_id: str
-    instruction: str
-    proprio: tuple[PartSpec, ...]  # StateParts once made
-    privileged: tuple[PartSpec, ...] = ()
-    robot_type: str | None = None
-    package: str = ""
-    install: str = ""  # how to install `package`
-    make_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    instruction_from_info: bool = False  # each episode's instruction from the env's info (multi-task)
-
-    def __post_init__(self) -> None:
-        try:
-            proprio = tuple(StatePart.of(p) for p in self.proprio)
-            privileged = tuple(StatePart.of(p) for p in self.privileged)
-        except ValueError as err:
-            raise ValueError(f"task {self.env_id}: {err}") from None
-        if not proprio:
-            raise ValueError(f"task {self.env_id}: proprio is empty; name the part(s) a policy sees")
-        names = [p.name for p in proprio + privileged]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(
-                f"task {self.env_id}: state part name(s) {', '.join(map(repr, twice))} used twice; "
-                "give each part its own name"
-            )
-        object.__setattr__(self, "proprio", proprio)
-        object.__setattr__(self, "privileged", privileged)
-
-    def layout(self) -> dict[str, slice]:
-        """Where each named part lies in "state" (experts are built from this, before any env)."""
-        return parts_layout(self.proprio + self.privileged)
-
-    @property
-    def proprio_dim(self) -> int:
-        return sum(p.size for p in self.proprio)
-
-    def missing(self) -> str | None:
-        """Why this task cannot be made here (its package is not installed, or no code registered its
-        gymnasium id), or None."""
-        if self.package:
-            if importlib.util.find_spec(self.package) is None:
-                return f"task {self.env_id} comes from {self.package}, which is not installed: {self.install}"
-        elif self.env_id not in gym.registry:
-            return (
-                f"task {self.env_id} is registered with mmrl but not with gymnasium: call "
-                f"gymnasium.register({self.env_id!r}, ...) where the task is registered, or set its package"
-            )
-        return None
-
-    def make(self, obs_mode: str = "state", image_size: int = 96, **kwargs: Any) -> SuccessAdapter:
-        """The task in our interface. obs_mode as for our tasks, except that "rgb" keeps "state" (a
-        policy reads only its first proprio_dim entries); images are image_size pixels square."""
-        if obs_mode not in OBS_MODES:
-            raise ValueError(f"obs_mode={obs_mode!r}; choose one of {OBS_MODES}")
-        problem = self.missing()
-        if problem:
-            raise ImportError(problem)
-        if self.package:
-            gym.register_envs(importlib.import_module(self.package))
-        image = "rgb" in obs_mode
-        if image:
-            kwargs = {"width": image_size, "height": image_size, **kwargs}
-        try:
-            return make_external(
-                self.env_id,
-                self.instruction,
-                image=image,
-                image_shape=(image_size, image_size, 3) if image else None,  # some render only after reset
-                state_parts=self.proprio + self.privileged,
-                proprio_dim=self.proprio_dim,
-                robot_type=self.robot_type,
-                instruction_from_info=self.instruction_from_info,
-                **{**self.make_kwargs, **kwargs},
-            )
-        except ValueError as err:
-            raise ValueError(f"task {self.env_id}: {err}; fix its sim.register_task call") from None
-        except TypeError as err:  # the env's constructor refused the arguments it was made with
-            reason = " ".join(f"{type(err).__name__}: {err}".split())
-            camera = ", with camera frames it takes render_mode, width and height" if image else ""
-            raise ValueError(
-                f"task {self.env_id}: gymnasium.make({self.env_id!r}, ...) failed ({reason}): the env is "
-                f"made with the task's make_kwargs{camera}; fix the env or its sim.register_task call"
-            ) from None
-
-
-FETCH_REACH = ExternalTask(
-    env_id="FetchReach-v4",
-    package="gymnasium_robotics",
-    install="pip install 'mmrl[fetch]' (gymnasium-robotics)",
-    # the target is a red sphere, and these words are in the policy's vocabulary
-    instruction="move the gripper to the red ball",
-    # The goal is given as an input, as FetchReach intends (it is goal-conditioned): the target floats
-    # without a shadow and can hide behind the arm or inside the table, so one camera cannot locate it.
-    proprio=(("observation", 10), ("desired_goal", 3)),
-    privileged=(("achieved_goal", 3),),
-    robot_type="fetch",
-    # closer than the package's default view, whose 96-pixel frames show the target as one pixel
-    make_kwargs={
-        "default_camera_config": {
-            "distance": 1.4,
-            "azimuth": 150.0,
-            "elevation": -30.0,
-            "lookat": np.array([1.34, 0.75, 0.53]),
-        }
-    },
-)
-EXTERNAL_TASKS: dict[str, ExternalTask] = {}  # by env_id; filled by sim.register_task
-EXTERNAL_EXPERTS: dict[str, type] = {}  # env_id -> its sim.experts.Expert subclass; by sim.register_task

@@ -10,8 +10,8 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from sim.adapters import ExternalTask
 from sim.env import CUBE_HALF, GRIPPER_OPEN, MAX_STEP, MAX_YAW_STEP, ArmEnv
+from sim.external import ExternalTask
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
 
 OPEN, CLOSE = -1.0, 1.0

@@ -31,8 +31,8 @@ import warnings
 import gymnasium as gym
 import numpy as np
 
-from sim.adapters import ExternalTask
 from sim.experts import Expert
+from sim.external import ExternalTask
 from sim.render import CameraRenderer, coarse_meshes
 
 PREFIX = "metaworld/"  # Meta-World's tasks by name, registered when first named (sim.registry.task_id)

@@ -10,9 +10,9 @@ import difflib
 
 import gymnasium as gym
 
-from sim.adapters import EXTERNAL_EXPERTS, EXTERNAL_TASKS, FETCH_REACH, ExternalTask
 from sim.env import ArmEnv
 from sim.experts import EXPERTS, Expert, FetchReachExpert
+from sim.external import EXTERNAL_EXPERTS, EXTERNAL_TASKS, FETCH_REACH, ExternalTask
 from sim.metaworld import PREFIX as METAWORLD_PREFIX
 from sim.metaworld import MetaWorldExpert, metaworld_task
 from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
