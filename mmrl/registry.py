@@ -212,6 +212,11 @@ REPLICAS: Registry[Callable] = Registry(
 EVALUATORS: Registry[Callable] = Registry(
     "evaluator", "model evaluations run by `mmrl eval NAME key=value ...`"
 )
+TASKS: Registry[Any] = Registry(
+    "task",
+    "robot tasks by gymnasium id, each with its scripted expert (filled by `sim.register_task` when "
+    "sim is imported)",
+)
 
 
 def provide(*modules: str) -> None:

@@ -99,6 +99,7 @@ class ArmEnv(gym.Env):
     """Base task: subclasses add objects (MJCF), sample an episode variant, and define success."""
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}
+    env_id: ClassVar[str] = ""  # the task's id in sim.register_task and gymnasium ("mmrl/Reach-v0")
     max_episode_steps: ClassVar[int] = 100  # registered with gymnasium as the TimeLimit
     task_state: ClassVar[tuple[tuple[str, int], ...]] = ()  # (name, size) after PROPRIO in "state"
     robot_type: ClassVar[str] = "mmrl_gantry_arm"  # recorded in datasets

@@ -12,7 +12,7 @@ import numpy as np
 
 from sim.env import CUBE_HALF, GRIPPER_OPEN, MAX_STEP, MAX_YAW_STEP, ArmEnv
 from sim.external import ExternalTask
-from sim.tasks import PickPlaceEnv, PushEnv, ReachEnv
+from sim.tasks import PickPlaceEnv
 
 OPEN, CLOSE = -1.0, 1.0
 
@@ -172,10 +172,3 @@ class FetchReachExpert(Expert):
     def act_on(self, s: dict[str, np.ndarray]) -> np.ndarray:
         delta = np.clip((s["desired_goal"] - s["achieved_goal"]) / self.step, -1.0, 1.0)
         return np.append(delta, 0.0).astype(np.float32)
-
-
-EXPERTS: dict[type[ArmEnv], type[Expert]] = {
-    ReachEnv: ReachExpert,
-    PushEnv: PushExpert,
-    PickPlaceEnv: PickPlaceExpert,
-}

@@ -138,5 +138,3 @@ FETCH_REACH = ExternalTask(
         }
     },
 )
-EXTERNAL_TASKS: dict[str, ExternalTask] = {}  # by env_id; filled by sim.register_task
-EXTERNAL_EXPERTS: dict[str, type] = {}  # env_id -> its sim.experts.Expert subclass; by sim.register_task

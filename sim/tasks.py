@@ -34,6 +34,7 @@ def _colours(rng: np.random.Generator, n: int) -> list[str]:
 class ReachEnv(ArmEnv):
     """Bring the gripper (the point between the fingertips) to the named ball."""
 
+    env_id = "mmrl/Reach-v0"
     max_episode_steps = 50
     task_state = (("goal_pos", 3),)
     success_dist = 0.025
@@ -93,6 +94,7 @@ class _CubeTask(ArmEnv):
 class PushEnv(_CubeTask):
     """Push the named cube until its centre is inside the coloured circle (no lifting needed)."""
 
+    env_id = "mmrl/Push-v0"
     goal_radius = 0.04
 
     def objects_xml(self) -> str:
@@ -118,6 +120,7 @@ class PushEnv(_CubeTask):
 class PickPlaceEnv(_CubeTask):
     """Pick up the named cube and put it down on the named pad, gripper released."""
 
+    env_id = "mmrl/PickPlace-v0"
     goal_marker = "pad0"
     pad_half = 0.04
     success_dist = 0.03

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mmrl.cli import main
+from mmrl.registry import TASKS
 
 TASK = "MmrlFaultyPoint-v0"
 INSTRUCTION = "move the gripper to the red ball"  # built-in words: no vocabulary warnings
@@ -175,8 +176,7 @@ def user_task(monkeypatch):
         privileged=(("target_pos", "observation", 2, 4),),
         robot_type="point",
     )
-    monkeypatch.setitem(sim.EXTERNAL_TASKS, TASK, task)
-    monkeypatch.setitem(sim.EXTERNAL_EXPERTS, TASK, classes.expert)
+    monkeypatch.setitem(TASKS._entries, TASK, sim.TaskEntry(task, classes.expert))
     monkeypatch.setattr(classes.expert, "calls", 0)
     return classes
 

@@ -10,6 +10,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import sim
+from mmrl.registry import TASKS
 from sim.adapters import SuccessAdapter, make_external
 
 needs_gym_mujoco = pytest.mark.skipif(
@@ -63,7 +64,7 @@ def test_success_key_from_info_and_clear_error_without_it():
         bad.step(np.zeros(5, np.float32))
     with pytest.raises(ValueError, match="render_mode='rgb_array'"):
         SuccessAdapter(gym.make("mmrl/Push-v0"), "push", image=True)
-    assert sim.TASKS  # our own tasks stay registered alongside the external ones
+    assert sim.arm_task_ids()  # our own tasks stay registered alongside the external ones
 
 
 def test_state_keys_and_proprio_dim_are_checked():
@@ -93,8 +94,9 @@ def test_external_task_names_say_what_to_do():
 
 
 def test_external_task_without_its_package_says_how_to_install_it(monkeypatch):
-    missing = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], package="mmrl_no_such_package")
-    monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v4", missing)
+    fetch = TASKS.get("FetchReach-v4")
+    missing = dataclasses.replace(fetch.task, package="mmrl_no_such_package")
+    monkeypatch.setitem(TASKS._entries, "FetchReach-v4", dataclasses.replace(fetch, task=missing))
     with pytest.raises(ValueError, match=r"not installed: pip install 'mmrl\[fetch\]'"):
         sim.task_id("FetchReach-v4")
     with pytest.raises(ImportError, match="mmrl_no_such_package, which is not installed"):
@@ -134,7 +136,7 @@ def test_bad_state_parts_are_named(parts, message):
 
 
 def test_external_tasks_check_their_parts_and_registration():
-    fetch = sim.EXTERNAL_TASKS["FetchReach-v4"]
+    fetch = TASKS.get("FetchReach-v4").task
     with pytest.raises(ValueError, match="task X-v0: state part name.*'grip'.*used twice"):
         sim.ExternalTask(
             env_id="X-v0", instruction="go", proprio=(("grip", "obs", 0, 3),), privileged=(("grip", 2),)
@@ -152,8 +154,9 @@ def test_external_tasks_check_their_parts_and_registration():
 def test_a_task_registered_without_an_expert_says_how_to_add_one(monkeypatch):
     from sim import expert_for
 
-    bare = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], env_id="FetchReach-v3")
-    monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v3", bare)  # as register_task(bare) would
+    bare = dataclasses.replace(TASKS.get("FetchReach-v4").task, env_id="FetchReach-v3")
+    # as sim.register_task(bare) would, for this test only
+    monkeypatch.setitem(TASKS._entries, "FetchReach-v3", sim.TaskEntry(bare, expert=None))
     with pytest.raises(
         TypeError, match=r"no scripted expert for FetchReach-v3: .*sim.register_task\(task, expert="
     ):

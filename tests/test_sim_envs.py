@@ -10,7 +10,7 @@ from gymnasium.utils.env_checker import check_env
 
 import sim
 
-TASK_IDS = list(sim.TASKS)
+TASK_IDS = sim.arm_task_ids()
 
 
 def rollout(env, seed, actions):

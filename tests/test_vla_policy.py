@@ -13,6 +13,7 @@ import sim
 import vla_rl.register  # noqa: F401  (registers vla_bc until the entry point is installed)
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
+from mmrl.registry import TASKS
 from vla_rl.evaluate import wilson_interval
 from vla_rl.policy import UNK, ClippedGaussian, VLAConfig, VLAPolicy, chunk_nll, task_vocabulary
 from vla_rl.pretrain import frame_tensors, object_positions
@@ -64,7 +65,7 @@ def demos(tmp_path_factory):
 def test_vocabulary_covers_every_task_instruction():
     policy = tiny_policy()
     unk = policy.config.vocabulary.index(UNK)
-    for name in sim.TASKS:
+    for name in sim.arm_task_ids():
         env = sim.make(name, distractors=2)
         instructions = [env.reset(seed=seed)[1]["instruction"] for seed in range(12)]
         assert not (policy.tokenize(instructions) == unk).any(), instructions
@@ -249,8 +250,9 @@ def test_config_errors_name_the_key(override, message):
 
 
 def test_external_task_without_its_package_is_a_config_error(monkeypatch):
-    missing = dataclasses.replace(sim.EXTERNAL_TASKS["FetchReach-v4"], package="mmrl_no_such_package")
-    monkeypatch.setitem(sim.EXTERNAL_TASKS, "FetchReach-v4", missing)
+    fetch = TASKS.get("FetchReach-v4")
+    missing = dataclasses.replace(fetch.task, package="mmrl_no_such_package")
+    monkeypatch.setitem(TASKS._entries, "FetchReach-v4", dataclasses.replace(fetch, task=missing))
     with pytest.raises(ConfigError, match=r"data.task = 'FetchReach-v4'.*pip install 'mmrl\[fetch\]'"):
         load_config("pretrain/vla", ["data.task=FetchReach-v4"])
 
