@@ -294,10 +294,6 @@ class ArmEnv(gym.Env):
         }
         return np.concatenate([np.ravel(values[name]) for name in self.state_layout]).astype(np.float32)
 
-    def parse_state(self, state: np.ndarray) -> dict[str, np.ndarray]:
-        """Split a state vector (or a batch of them, on the last axis) into its named parts."""
-        return {name: state[..., part] for name, part in self.state_layout.items()}
-
     def _obs(self) -> dict[str, np.ndarray]:
         obs: dict[str, np.ndarray] = {}
         if "state" in self.obs_mode:

@@ -75,24 +75,6 @@ class CameraRenderer:
         self.close()
 
 
-def headless_rendering_error() -> str | None:
-    """None if a 16x16 offscreen render works here, else why not (tests skip with this reason)."""
-    model = mujoco.MjModel.from_xml_string(
-        '<mujoco><worldbody><camera name="c" pos="0 0 1"/><geom size=".1"/></worldbody></mujoco>'
-    )
-    try:
-        renderer = CameraRenderer(model, "c", 16, 16)
-    except RuntimeError as err:
-        return str(err)
-    try:
-        renderer.render(mujoco.MjData(model))
-    except Exception as err:
-        return f"offscreen render failed: {type(err).__name__}: {err}"
-    finally:
-        renderer.close()
-    return None
-
-
 def coarse_meshes(model: mujoco.MjModel, cell: float) -> mujoco.MjModel:
     """A copy of `model` for rendering only, each mesh simplified by vertex clustering on a grid of
     `cell` metres: every vertex is replaced by the first vertex of its cell, and the faces that

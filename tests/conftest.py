@@ -73,10 +73,19 @@ def headless_rendering_error() -> str | None:
     """Why MuJoCo cannot render camera frames here (None when it can)."""
     if not HAS_ROBOT:
         return NO_ROBOT
-    from sim.render import headless_rendering_error as error
+    import sim
+    from sim.render import RenderingError
 
-    reason = error()
-    return None if reason is None else f"no headless rendering: {reason}"
+    env = sim.make("Reach", obs_mode="rgb", image_size=16)  # a camera frame, drawn at reset
+    try:
+        env.reset(seed=0)
+    except RenderingError as err:
+        return f"no headless rendering: {err}"
+    except Exception as err:  # the backend's own failure at the first frame
+        return f"no headless rendering: offscreen render failed: {type(err).__name__}: {err}"
+    finally:
+        env.close()
+    return None
 
 
 @pytest.fixture(scope="session")
