@@ -61,7 +61,26 @@ class Registry(Generic[T]):
         self._entry_kinds: dict[str, str] = {}
         self._tags: dict[str, dict[str, str]] = {}
         self._providers: dict[str, str] = {}  # name -> the module that registers it (`provide`)
+        self._fillers: list[str] = []  # modules that register entries they name at import (`fill_from`)
+        self._fill_errors: list[str] = []
         ALL_REGISTRIES[kind] = self
+
+    def fill_from(self, module: str) -> None:
+        """Declare that importing `module` registers entries whose names it computes (sim's tasks, named
+        by their classes' gymnasium ids): it is imported when this registry is first listed or asked
+        for an entry it lacks. A module that cannot be imported leaves its entries out, and a lookup
+        of a missing entry says why."""
+        self._fillers.append(module)
+
+    def _fill(self) -> None:
+        while self._fillers:
+            module = self._fillers.pop(0)  # before importing: the module may list this registry itself
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                self._fill_errors.append(
+                    f"{module}, which registers {self.kind} entries, cannot be imported: {err}"
+                )
 
     def _declare(self, module: str, name: str) -> None:
         """Record that importing `module` registers `name` (see `provide`)."""
@@ -137,6 +156,8 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         self._load(name)
         if name not in self._entries:
+            self._fill()
+        if name not in self._entries:
             raise UnknownNameError(self.unknown_message(name))
         return self._entries[name]
 
@@ -144,10 +165,12 @@ class Registry(Generic[T]):
         names = self.names()
         hint = closest(str(name), names)
         did_you_mean = f"; did you mean {hint!r}?" if hint else ""
-        return f"unknown {self.kind} {name!r}: choose one of {', '.join(names)}{did_you_mean}"
+        missing = "".join(f" ({error})" for error in self._fill_errors)
+        return f"unknown {self.kind} {name!r}: choose one of {', '.join(names)}{did_you_mean}{missing}"
 
     def names(self) -> list[str]:
-        """Every entry, registered or declared by a plugin (`provide`)."""
+        """Every entry, registered or declared by a plugin (`provide`, `fill_from`)."""
+        self._fill()
         return sorted({*self._entries, *self._providers})
 
     def items(self) -> Iterator[tuple[str, T]]:
@@ -155,6 +178,8 @@ class Registry(Generic[T]):
         return iter([(name, self.get(name)) for name in self.names()])
 
     def __contains__(self, name: object) -> bool:
+        if name not in self._entries and name not in self._providers:
+            self._fill()
         return name in self._entries or name in self._providers
 
     def __len__(self) -> int:

@@ -205,3 +205,22 @@ def test_a_bad_sampler_option_names_the_key(recipe, extra, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: config error: train.sampler_options = {'treshold': 0.5} for sampler 'beta_thompson'" in err
     assert "treshold" in err and "Traceback" not in err
+
+
+def test_a_filled_registry_imports_its_module_when_first_listed(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
+    things = Registry("thing", "test entries")
+    monkeypatch.setattr(registry, "THINGS", things, raising=False)
+    (tmp_path / "computed_things.py").write_text(
+        "from mmrl.registry import THINGS\n\nfor size in (1, 2):\n    THINGS.register(f'size{size}')(size)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    things.fill_from("computed_things")
+    things.fill_from("absent_module_of_things")
+    assert "computed_things" not in sys.modules
+    assert things.names() == ["size1", "size2"] and things.get("size2") == 2
+    with pytest.raises(
+        UnknownNameError, match="absent_module_of_things, which registers thing entries, cannot"
+    ):
+        things.get("size3")
+    monkeypatch.delitem(sys.modules, "computed_things")
