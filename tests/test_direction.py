@@ -323,7 +323,7 @@ def test_tool_grpo_update_raises_the_rewarded_conversations(tmp_path, monkeypatc
     assert_direction(delta, torch.tensor([1.0, 1.0, -1.0, -1.0] * (len(trajectories) // 4)))
 
 
-# ----- HABC per-chunk actor weights (vla_rl/habc.py, vla_rl/baselines.py) -----------------------
+# ----- HABC per-chunk actor weights (vla_rl/methods/habc.py) -----------------------
 
 
 class ScriptedCritics(torch.nn.Module):
@@ -339,10 +339,10 @@ def test_habc_per_chunk_weights_follow_the_gated_advantage():
     compared in pairs whose viability and efficiency advantages disagree in order: where V_v is low
     the gate is near 0 and the chunk that raises viability must weigh more; where V_v is high the gate
     is near 1 and the chunk that saves steps must weigh more."""
-    from vla_rl.baselines import BUFFER_METHODS
-    from vla_rl.buffer import ReplayBuffer
     from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
+    from vla_rl.methods.habc import HABC
     from vla_rl.online import Transitions
+    from vla_rl.replay_buffer import ReplayBuffer
 
     config = load_config("vla/habc", ["train.demos=null"])
     assert config.actor.per_chunk  # the recipes' path
@@ -361,7 +361,7 @@ def test_habc_per_chunk_weights_follow_the_gated_advantage():
         episode = buffer.add_episode(obs, np.zeros((4, 5)), True, "reach", chunk_step=[0, 1, 0, 1])
         lengths[episode] = 4
     tr = Transitions.from_buffer(buffer, lengths)
-    weights = BUFFER_METHODS["habc"].actor(tr, ScriptedCritics(), config, horizon=4).weights
+    weights = HABC.actor_targets(tr, ScriptedCritics(), config, horizon=4).weights
     first = {
         name: weights[(tr.state[:, 2] == number) & (tr.t == 0)].item() for number, name in enumerate(episodes)
     }

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-import vla_rl.grpo
+import vla_rl.methods.grpo
 from mmrl.config import ConfigError, load_config
 from mmrl.credit import Credit
 from mmrl.tree import branch_children, split_slots
 from vla_rl.branching import BranchedGroups, BranchPlan, branched_rollouts
-from vla_rl.grpo import chunk_batch, update_branched_grpo
+from vla_rl.methods.grpo import chunk_batch, update_branched_grpo
 from vla_rl.policy import ClippedGaussian, VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.trainer import VLAHABCTrainer
 
@@ -324,17 +324,17 @@ def test_branched_update_raises_the_successful_path_and_lowers_the_failing_ones(
             tree.set_leaf_reward(leaf, float(good))
             groups.leaves[t * size + slot].success = good
             leaf_edges[good].append(tree.nodes[leaf].state.edge)
-    real = vla_rl.grpo.assign_credit
+    real = vla_rl.methods.grpo.assign_credit
 
     def signed_credit(trees, estimator):
         credit = real(trees, estimator)
         nodes = {k: sign * v for k, v in credit.nodes.items()}
         return Credit(nodes, {k: sign * v for k, v in credit.leaves.items()}, credit.per_leaf)
 
-    monkeypatch.setattr(vla_rl.grpo, "assign_credit", signed_credit)
-    real_group = vla_rl.grpo.group_advantages
+    monkeypatch.setattr(vla_rl.methods.grpo, "assign_credit", signed_credit)
+    real_group = vla_rl.methods.grpo.group_advantages
     monkeypatch.setattr(
-        vla_rl.grpo,
+        vla_rl.methods.grpo,
         "group_advantages",
         lambda episodes, estimator: real_group(episodes, estimator)._replace(
             values=sign * real_group(episodes, estimator).values

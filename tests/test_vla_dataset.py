@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from mmrl.config import ConfigError
-from vla_rl.buffer import KINDS, ReplayBuffer
 from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.episodes import Controller
 from vla_rl.lerobot_checks import check_dataset
 from vla_rl.lerobot_format import DatasetWriter
 from vla_rl.recording import record_episodes
+from vla_rl.replay_buffer import KINDS, ReplayBuffer
 
 FEATURES = {
     "observation.state": {"dtype": "float32", "shape": [3], "names": ["x", "y", "z"]},

@@ -10,30 +10,27 @@ import torch
 
 import sim
 from mmrl.config import ConfigError, load_config
-from vla_rl.buffer import ReplayBuffer
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset
-from vla_rl.grpo import update_grpo
-from vla_rl.habc import (
+from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
+from vla_rl.methods.grpo import update_grpo
+from vla_rl.methods.habc import (
     Gate,
     Head,
-    Weighting,
-    advantage_weights,
     chunk_advantage,
     efficiency_rewards,
-    executed_chunks,
     gate,
     habc_advantages,
     head_rows,
     segment_returns,
-    spread_over_chunks,
     viability_rewards,
 )
-from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
+from vla_rl.methods.weighting import Weighting, advantage_weights, executed_chunks, spread_over_chunks
 from vla_rl.online import Transitions
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import frame_tensors
 from vla_rl.recording import record_episodes
+from vla_rl.replay_buffer import ReplayBuffer
 from vla_rl.trainer import VLAHABCTrainer
 
 SIZE = 32

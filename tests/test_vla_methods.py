@@ -11,10 +11,13 @@ import torch
 from mmrl.advantages import Advantages
 from mmrl.config import ConfigError, load_config
 from tests.test_vla_habc import toy_transitions
-from vla_rl.baselines import BUFFER_METHODS, monte_carlo_returns
 from vla_rl.config import METHODS
-from vla_rl.grpo import group_advantages, sampled_chunks
-from vla_rl.habc import CriticTargets, Gate, Head, Weighting, advantage_weights, critic_losses, habc_weights
+from vla_rl.methods import UPDATES
+from vla_rl.methods.buffer import monte_carlo_returns
+from vla_rl.methods.critics import CriticTargets, critic_losses
+from vla_rl.methods.grpo import group_advantages, sampled_chunks
+from vla_rl.methods.habc import Gate, Head, habc_weights
+from vla_rl.methods.weighting import Weighting, advantage_weights
 from vla_rl.online import Episode
 from vla_rl.trainer import VLAHABCTrainer  # noqa: F401  (registers vla_habc for load_config)
 
@@ -27,21 +30,21 @@ class ConstantCritics(torch.nn.Module):
 
 
 def test_the_method_table_is_what_the_config_accepts():
-    assert list(BUFFER_METHODS) == ["habc", "awr", "bc", "dagger"] and METHODS[-1] == "grpo"
+    assert list(UPDATES) == list(METHODS) == ["habc", "awr", "bc", "dagger", "grpo"]
     with pytest.raises(ConfigError, match="choose one of habc, awr, bc, dagger, grpo"):
         load_config("vla/habc", ["method=ppo"])
     # the methods with a critic train it; bc and dagger have none
-    assert [m for m, entry in BUFFER_METHODS.items() if entry.critic_targets is not None] == ["habc", "awr"]
+    assert [m for m, update in UPDATES.items() if update.trains_critics] == ["habc", "awr"]
 
 
 def test_bc_clones_interventions_and_successes_and_dagger_relabels_every_state():
     tr = toy_transitions()
     config = load_config("vla/habc", ["method=bc"])
     assert tr.actor_rows.tolist() == [0, 3, 4, 6, 9, 11, 12, 13]
-    bc = BUFFER_METHODS["bc"].actor(tr, ConstantCritics(), config, 4)
+    bc = UPDATES["bc"].actor_targets(tr, ConstantCritics(), config, 4)
     assert bc.rows.tolist() == [0, 3, 4, 9, 11, 12, 13]  # the failed episode's chunk (row 6) is left out
     assert not bc.relabel and (bc.weights == 1).all()
-    dagger = BUFFER_METHODS["dagger"].actor(tr, ConstantCritics(), config, 4)
+    dagger = UPDATES["dagger"].actor_targets(tr, ConstantCritics(), config, 4)
     assert dagger.rows.tolist() == list(range(14)) and dagger.relabel and (dagger.weights == 1).all()
 
 
@@ -52,14 +55,14 @@ def test_awr_regresses_monte_carlo_returns_and_weights_above_the_value():
     torch.testing.assert_close(monte_carlo_returns(tr, g), torch.tensor(returns))
     options = ["method=awr", "critic.gamma_v=0.5", "actor.beta=2"]
     config = load_config("vla/habc", [*options, "actor.per_chunk=false"])
-    targets = BUFFER_METHODS["awr"].critic_targets(tr, ConstantCritics(), config)
+    targets = UPDATES["awr"].critic_targets(tr, ConstantCritics(), config)
     assert targets.v_rows.tolist() == list(range(14)) and len(targets.e_rows) == 0
     torch.testing.assert_close(targets.v_target, torch.tensor(returns))
-    out = BUFFER_METHODS["awr"].actor(tr, ConstantCritics(), config, 4)
+    out = UPDATES["awr"].actor_targets(tr, ConstantCritics(), config, 4)
     torch.testing.assert_close(out.weights, torch.exp(2 * (torch.tensor(returns) - 0.5)))
     assert out.weights[5] > 1 > out.weights[6]  # a success's last step above the value, a failure's below
     # per chunk: the steps executed from a chunk take the weight of the chunk's first state
-    w = BUFFER_METHODS["awr"].actor(tr, ConstantCritics(), load_config("vla/habc", options), 4).weights
+    w = UPDATES["awr"].actor_targets(tr, ConstantCritics(), load_config("vla/habc", options), 4).weights
     step = out.weights
     assert w[1] == w[2] == w[0] == step[0] and w[7] == w[8] == w[6] and w[10] == w[9] == step[9]
     assert w[3] == step[3] and (w[11:] == step[11:]).all()  # a new chunk, and the expert's steps

@@ -1,8 +1,8 @@
 """Config of the `vla_habc` trainer (`mmrl train vla/habc`, vla/awr, vla/bc, vla/dagger, vla/grpo): one
 dataclass per section, the checks that need more than one field, and the size check made at setup.
 
-`method` picks the update: the methods of `vla_rl.baselines.BUFFER_METHODS` learn from the replay
-buffer (HABC among them), grpo from each iteration's own episodes (`vla_rl.grpo`).
+`method` picks the update rule (`vla_rl.methods.UPDATES`): habc, awr, bc and dagger learn from the replay
+buffer (`vla_rl.methods.buffer`), grpo from each iteration's own episodes (`vla_rl.methods.grpo`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from mmrl.resources import check_memory
 from mmrl.samplers import build_sampler
 from vla_rl.branching import BranchPlan
 from vla_rl.evaluate import TASK_HELP
-from vla_rl.habc import ABLATIONS
 from vla_rl.online import GroupSeeds
 from vla_rl.pretrain import checked_task
 
-# the update rules: the replay-buffer methods (`vla_rl.baselines.BUFFER_METHODS`, in this order), then grpo
+# the update rules (`vla_rl.methods.UPDATES`): the replay-buffer methods, then grpo
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
+# the parts of HABC that habc.ablate may take out (`vla_rl.methods.habc`)
+ABLATIONS = ("viability_critic", "efficiency_critic", "gate", "intervention_credit")
 ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
 
 

@@ -30,11 +30,11 @@ from mmrl.memory_plan import (
     parameter_count,
     weight_bytes,
 )
-from vla_rl.baselines import BUFFER_METHODS
 from vla_rl.config import ENV_BYTES, VLAHABCConfig
-from vla_rl.habc import Critics
 from vla_rl.lerobot_checks import load_info
 from vla_rl.lerobot_policy import LeRobotPolicy, is_lerobot_policy_dir
+from vla_rl.methods import UPDATES
+from vla_rl.methods.critics import Critics
 from vla_rl.policy import VLAPolicy, instruction_words
 
 # bytes per transition beside its frame, state and action: reward (float32), is_intervention (bool),
@@ -113,9 +113,7 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
     generator = torch.Generator().manual_seed(0)
     critics = Critics(task["state_dim"], c.hidden)
     critic_optimizer = torch.optim.Adam(critics.parameters(), lr=c.lr)
-    uses_critics = (
-        config.method in BUFFER_METHODS and BUFFER_METHODS[config.method].critic_targets is not None
-    )
+    uses_critics = UPDATES[config.method].trains_critics
 
     def observations(rows: int) -> dict[str, Any]:
         return {

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vla_rl.buffer import KINDS, ReplayBuffer, Segment
 from vla_rl.episodes import Outcome, Recorder, SampledChunks, Step, evaluating, run_episodes
 from vla_rl.lerobot_format import IMAGE_KEY, STATE_KEY
 from vla_rl.policy import VLAPolicy
+from vla_rl.replay_buffer import KINDS, ReplayBuffer, Segment
 from vla_rl.supervisor import TakeoverRule
 
 if TYPE_CHECKING:

@@ -4,20 +4,16 @@ Each training step is one iteration: roll out the stochastic policy on fresh res
 `rollout.env_steps` environment steps were taken (policy and expert steps alike: the budget that
 recipes share), with the scripted-expert supervisor of `vla_rl.online` taking over when the policy
 strays; store every step with its kind (policy / intervention) in the `ReplayBuffer`; then update by
-`method`: a method of `vla_rl.baselines.BUFFER_METHODS` (habc, awr, bc, dagger) trains the critics on
-its targets, then the actor on its rows and weights, over the whole buffer; grpo updates on the
-iteration's own episodes (`vla_rl.grpo`), with `grpo.branch_every` on groups branched from MuJoCo
-snapshots (`vla_rl.branching`), whose env steps count each shared prefix once. HABC's math is in
-`vla_rl.habc`.
+`method`, through its update rule in `vla_rl.methods.UPDATES` (all alike: `MethodUpdate.update`):
+habc, awr, bc and dagger train the critics on their targets, then the actor on their rows and weights,
+over the whole buffer (`vla_rl.methods.buffer`, HABC's math in `vla_rl.methods.habc`); grpo updates on
+the iteration's own episodes (`vla_rl.methods.grpo`), with `grpo.branch_every` on groups branched from
+MuJoCo snapshots (`vla_rl.branching`), whose env steps count each shared prefix once.
 
-The actor loss is -E[w log pi(a | s)] over action chunks. An expert step t regresses steps
-t .. t+horizon-1 of its own segment (masked past the segment's end); a policy step is trained only
-where the policy sampled a chunk, on the actions it executed from that chunk (a step inside a chunk was
-decided at an earlier state). Each position carries the weight of its own step. With `train.demos` or
-`train.demo_episodes` (the recipes), `train.demo_fraction` of every actor batch comes from
-demonstrations (weight 1), whatever the method: without them the online data alone pulled the base
-down (docs/results.md). A policy pretrained with the auxiliary object-position head keeps that loss in
-every actor update (`train.state_weight`), on online and demonstration rows. Exploration samples from
+With `train.demos` or `train.demo_episodes` (the recipes), `train.demo_fraction` of every actor batch
+comes from demonstrations (weight 1), whatever the method: without them the online data alone pulled the
+base down (docs/results.md). A policy pretrained with the auxiliary object-position head keeps that loss
+in every actor update (`train.state_weight`), on online and demonstration rows. Exploration samples from
 the policy with its std times `rollout.std_scale`: the BC base's std (near 1 on the gripper, whose
 demonstrated commands sit at the bounds) makes full-width samples fail where the mean succeeds.
 
@@ -37,7 +33,6 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,28 +43,27 @@ from safetensors.numpy import load_file, save_file
 from torch import Tensor
 
 from mmrl.config import ConfigError, shipped_path
-from mmrl.losses import aggregate_loss
 from mmrl.memory_plan import MemoryPlan
 from mmrl.registry import TRAINERS
 from mmrl.run_stops import StepSkipped
 from mmrl.trainer import Trainer, warmup_cosine
-from vla_rl.baselines import BUFFER_METHODS, ActorTargets
 from vla_rl.branching import BranchedGroups, branched_rollouts
-from vla_rl.buffer import ReplayBuffer
 from vla_rl.config import VLAHABCConfig, branch_plan, check_env_size, group_seeds
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset, open_dataset
-from vla_rl.episodes import check_first_observation, expert_errors, make_env
+from vla_rl.episodes import check_first_observation, make_env
 from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
-from vla_rl.grpo import update_branched_grpo, update_grpo
-from vla_rl.habc import Critics, CriticTargets, critic_losses
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
 from vla_rl.lerobot_policy import FLOW_MATCHING, LeRobotPolicy, import_lerobot, is_lerobot_policy_dir
 from vla_rl.memory_plan import habc_memory_plan
-from vla_rl.online import Episode, Transitions, add_to_buffer, rollouts
+from vla_rl.methods import UPDATES
+from vla_rl.methods.critics import Critics
+from vla_rl.methods.interface import Collected, mean_or_nan
+from vla_rl.online import Episode, add_to_buffer, rollouts
 from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy, instruction_words
 from vla_rl.pretrain import frame_tensors
 from vla_rl.recording import expert_demonstrations
+from vla_rl.replay_buffer import ReplayBuffer
 from vla_rl.supervisor import TakeoverRule
 
 
@@ -78,18 +72,9 @@ def _stream(seed: int, step: int, stream: int) -> int:
     return (seed * 1_000_003 + step * 101 + stream) % 2**63
 
 
-def _mean(values: list[float]) -> float:
-    return float(np.mean(values)) if values else math.nan
-
-
 def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
     """Drop the metrics that had nothing to average this iteration (e.g. no efficiency data yet)."""
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
-
-
-def _concat(values: list[Any]) -> Any:
-    """Batch parts joined: tensors along the first dimension, lists (instructions) end to end."""
-    return sum(values, []) if isinstance(values[0], list) else torch.cat(values)
 
 
 def check_lerobot_run(config: VLAHABCConfig, path: Path) -> None:
@@ -286,8 +271,8 @@ class VLAHABCTrainer(Trainer):
 
     @property
     def branched(self) -> bool:
-        """GRPO groups branch from snapshots (`grpo.branch_every`)."""
-        return self.config.method == "grpo" and self.config.grpo.branch_every > 0
+        """GRPO groups branch from snapshots (`grpo.branch_every`, which only method grpo takes)."""
+        return self.config.grpo.branch_every > 0
 
     @property
     def horizon(self) -> int:
@@ -422,56 +407,9 @@ class VLAHABCTrainer(Trainer):
             group["lr"] = lr
         metrics["lr"] = lr
         generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 1))
-        if branched is not None:
-            metrics.update(update_branched_grpo(self, branched.without(dropped), generator))
-        elif cfg.method == "grpo":
-            kept = [e for e in episodes if e.group not in dropped] if dropped else episodes
-            metrics.update(update_grpo(self, kept, generator))
-        else:
-            metrics.update(self.update(generator))
+        collected = Collected(episodes, branched, dropped)
+        metrics.update(UPDATES[cfg.method].update(self, collected, generator))
         return _finite(metrics)
-
-    def update(self, generator: torch.Generator) -> dict[str, Any]:
-        """The method's critic and actor updates on the whole replay buffer."""
-        method = BUFFER_METHODS[self.config.method]
-        metrics: dict[str, Any] = {}
-        tr = Transitions.from_buffer(self.buffer, self.episode_length)
-        if method.critic_targets is not None:
-            metrics.update(self.train_critics(tr, method.critic_targets, generator))
-        targets = method.actor(tr, self.critics, self.config, self.horizon)
-        metrics.update(targets.stats)
-        metrics.update(self.update_actor(tr, targets, generator))
-        return metrics
-
-    # ----- critics -----------------------------------------------------------------------------
-    def train_critics(
-        self,
-        tr: Transitions,
-        targets_of: Callable[[Transitions, Critics, VLAHABCConfig], CriticTargets],
-        generator: torch.Generator,
-    ) -> dict[str, Any]:
-        """Minibatch updates of the critic heads on the method's targets (BCE for viability, MSE for u)."""
-        c = self.config.critic
-        self.critics.fit_normalization(tr.state)
-        targets = targets_of(tr, self.critics, self.config)
-        v_losses, e_losses, skipped = [], [], 0
-        for _ in range(c.updates if len(targets.v_rows) else 0):
-            v_loss, e_loss = critic_losses(self.critics, tr.state, targets, c.batch_size, generator)
-            loss = v_loss
-            if e_loss is not None:
-                loss = loss + e_loss
-                e_losses.append(e_loss.item())
-            if not torch.isfinite(loss):
-                skipped += 1
-                continue
-            self.optimizer_step(loss, 1.0, model=self.critics, optimizer=self.critic_optimizer)
-            v_losses.append(v_loss.item())
-        return {
-            "critic_v_loss": _mean(v_losses),
-            "critic_e_loss": _mean(e_losses),
-            "critic_e_transitions": len(targets.e_rows),
-            "critic_skipped_updates": skipped,
-        }
 
     # ----- actor -------------------------------------------------------------------------------
     def actor_step(self, loss: Tensor, dist: ClippedGaussian | None) -> dict[str, float] | None:
@@ -494,54 +432,11 @@ class VLAHABCTrainer(Trainer):
         """The mean of each metric over the actor steps that ran, and how many ran and were skipped."""
         done = [s for s in steps if s is not None]
         names = dict.fromkeys(k for s in done for k in s)
-        return {k: _mean([s[k] for s in done if k in s]) for k in names} | {
+        return {k: mean_or_nan([s[k] for s in done if k in s]) for k in names} | {
             "actor_updates": len(done),
             "skipped_updates": len(steps) - len(done),
             "skipped_steps": self.skipped_steps,
         }
-
-    def update_actor(
-        self, tr: Transitions, targets: ActorTargets, generator: torch.Generator
-    ) -> dict[str, Any]:
-        """Weighted chunk regression on minibatches drawn uniformly from the targets' rows, with a
-        `demo_fraction` share of each batch drawn from the demonstrations (weight 1) when there are any."""
-        cfg = self.config.train
-        horizon, rows, weights = self.horizon, targets.rows, targets.weights
-        n_demo = round(cfg.batch_size * cfg.demo_fraction) if self.demo_frames is not None else 0
-        n_online = cfg.batch_size - n_demo if len(rows) else 0
-        device = self.accelerator.device
-        steps = []
-        for _ in range(cfg.updates if n_online + n_demo else 0):
-            parts = []  # (inputs, target actions, mask, weight), each (B, horizon, ...)
-            if n_online:
-                pick = rows[torch.randint(len(rows), (n_online,), generator=generator)]
-                chunk, mask = tr.chunk_rows(pick, horizon, executed=not targets.relabel)
-                if targets.relabel:
-                    moment = f"while relabelling the buffer's states (method {self.config.method})"
-                    with expert_errors(self.expert, self.config.rollout.task, moment):
-                        relabelled = self.expert(tr.state[chunk].reshape(-1, tr.state.shape[1]).numpy())
-                    actions = torch.from_numpy(relabelled).reshape(*chunk.shape, -1).float()
-                else:
-                    actions = tr.action[chunk]
-                inputs = tr.policy_inputs(self.policy, pick)
-                if not self.lerobot:  # the auxiliary object-position head's targets
-                    inputs["state"] = tr.state[pick].to(device)
-                parts.append((inputs, actions, mask, weights[chunk]))
-            if n_demo:
-                demo = torch.randint(len(self.demo_frames["actions"]), (n_demo,), generator=generator)
-                frames = {k: v[demo] for k, v in self.demo_frames.items()}
-                demo_weight = torch.ones(n_demo, horizon)
-                parts.append((self.demo_inputs(frames), frames["actions"], frames["mask"], demo_weight))
-            inputs = {k: _concat([p[0][k] for p in parts]) for k in parts[0][0]}
-            actions, mask, weight = (torch.cat([p[i] for p in parts]).to(device) for i in (1, 2, 3))
-            self.model.train()
-            if self.lerobot:  # weighted flow matching: no likelihood, no auxiliary head
-                loss, dist = self.policy.chunk_loss(inputs, actions, mask, weight, generator), None
-            else:
-                dist = self.model(inputs)
-                loss = aggregate_loss(-weight * dist.log_prob(actions).sum(-1), mask, "token_mean")
-            steps.append(self.actor_step(loss, dist))
-        return self.actor_metrics(steps)
 
     # ----- evaluation and the end of a run --------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

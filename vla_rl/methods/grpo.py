@@ -1,7 +1,8 @@
-"""The GRPO baseline's update (method grpo): binary success as reward, advantages normalised within the
-groups of episodes that share a reset seed (`grpo.advantage`, a group estimator), and a PPO-clip loss
-(`grpo.loss`, a policy loss) on the log-probs of the actions the policy executed from each chunk it
-sampled, on this iteration's episodes only (no replay buffer; the recipe turns interventions off).
+"""The GRPO baseline's update rule (method grpo, `GRPO`): binary success as reward, advantages
+normalised within the groups of episodes that share a reset seed (`grpo.advantage`, a group
+estimator), and a PPO-clip loss (`grpo.loss`, a policy loss) on the log-probs of the actions the policy
+executed from each chunk it sampled, on this iteration's episodes only (no replay buffer; the recipe
+turns interventions off).
 
 Log-probs are those of the exploration distribution, the policy's std times `rollout.std_scale`; the
 behaviour log-probs are computed once before the first update, since the policy has not changed since
@@ -17,34 +18,19 @@ chunk on a shared edge counts once per leaf below it: flat GRPO on the leaves, a
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mmrl.advantages import Advantages
 from mmrl.credit import assign_credit
 from mmrl.registry import ADVANTAGES, LOSSES
 from vla_rl.branching import BranchedGroups
-from vla_rl.config import VLAHABCConfig
+from vla_rl.methods.interface import Collected, Learner
 from vla_rl.online import Episode
-from vla_rl.policy import ClippedGaussian, VLAPolicy
-
-
-class ActorLearner(Protocol):
-    """What GRPO's update needs of the trainer (`vla_rl.trainer.VLAHABCTrainer`): the config, the
-    policy (old log-probs), the module that trains it (the policy, or its DDP wrapper), one actor step
-    on a loss and the metrics of the steps taken."""
-
-    config: VLAHABCConfig
-    policy: VLAPolicy
-    model: nn.Module
-
-    def actor_step(self, loss: Tensor, dist: ClippedGaussian | None) -> dict[str, float] | None: ...
-
-    def actor_metrics(self, steps: list[dict[str, float] | None]) -> dict[str, Any]: ...
-
+from vla_rl.policy import VLAPolicy
 
 Chunk = tuple[int, int, int]  # (episode, start step, actions executed)
 
@@ -88,38 +74,38 @@ def chunk_batch(
     return inputs, torch.from_numpy(actions).to(device), mask.to(device), a.to(device)
 
 
-def update_grpo(trainer: ActorLearner, episodes: list[Episode], generator: torch.Generator) -> dict[str, Any]:
+def update_grpo(learner: Learner, episodes: list[Episode], generator: torch.Generator) -> dict[str, Any]:
     """Group advantages over the episodes, then `train_chunks`; returns the update's metrics."""
     if not episodes:  # every group filtered out by the sampler
         return {"grpo_chunks": 0, "actor_updates": 0, "skipped_updates": 0}
     return train_chunks(
-        trainer, episodes, group_advantages(episodes, trainer.config.grpo.advantage), generator
+        learner, episodes, group_advantages(episodes, learner.config.grpo.advantage), generator
     )
 
 
 def update_branched_grpo(
-    trainer: ActorLearner, groups: BranchedGroups, generator: torch.Generator
+    learner: Learner, groups: BranchedGroups, generator: torch.Generator
 ) -> dict[str, Any]:
     """Node advantages over the groups' trees, then `train_chunks` on the edges (one `Episode` each,
     carrying the advantage of the node it leads to), or with a group estimator `update_grpo` on the
     leaves' whole episodes; returns the update's metrics."""
     if not groups.trees:  # every group filtered out by the sampler
-        return update_grpo(trainer, [], generator)
-    credit = assign_credit(groups.trees, trainer.config.grpo.advantage)
+        return update_grpo(learner, [], generator)
+    credit = assign_credit(groups.trees, learner.config.grpo.advantage)
     if credit.per_leaf:
-        return update_grpo(trainer, groups.leaves, generator)
+        return update_grpo(learner, groups.leaves, generator)
     edges = groups.edges()
     values = torch.tensor([credit.nodes[(t, n)] for t, n, _ in edges])
     advantages = Advantages(values, torch.ones(len(values), dtype=torch.bool))
-    return train_chunks(trainer, [edge for *_, edge in edges], advantages, generator)
+    return train_chunks(learner, [edge for *_, edge in edges], advantages, generator)
 
 
 def train_chunks(
-    trainer: ActorLearner, episodes: list[Episode], advantages: Advantages, generator: torch.Generator
+    learner: Learner, episodes: list[Episode], advantages: Advantages, generator: torch.Generator
 ) -> dict[str, Any]:
     """`train.updates` minibatches of the episodes' sampled chunks, drawn by reshuffled passes, each a
-    `grpo.loss` step through the trainer's `actor_step`; returns the update's metrics."""
-    cfg, g = trainer.config, trainer.config.grpo
+    `grpo.loss` step through the learner's `actor_step`; returns the update's metrics."""
+    cfg, g = learner.config, learner.config.grpo
     batch_size, scale = cfg.train.batch_size, cfg.rollout.std_scale
     chunks = sampled_chunks(episodes, advantages)
     adv = advantages.values
@@ -130,9 +116,9 @@ def train_chunks(
     with torch.no_grad():
         for start in range(0, len(chunks), batch_size):
             inputs, actions, _, _ = chunk_batch(
-                trainer.policy, episodes, chunks[start : start + batch_size], adv
+                learner.policy, episodes, chunks[start : start + batch_size], adv
             )
-            old_parts.append(trainer.policy(inputs).scaled(scale).log_prob(actions).sum(-1))
+            old_parts.append(learner.policy(inputs).scaled(scale).log_prob(actions).sum(-1))
     old = torch.cat(old_parts)
     loss_fn = LOSSES.get(g.loss)
     steps = []
@@ -144,14 +130,31 @@ def train_chunks(
         pick = order[cursor : cursor + batch_size]
         cursor += batch_size
         inputs, actions, mask, a = chunk_batch(
-            trainer.policy, episodes, [chunks[i] for i in pick.tolist()], adv
+            learner.policy, episodes, [chunks[i] for i in pick.tolist()], adv
         )
-        trainer.model.train()
-        dist = trainer.model(inputs)
+        learner.model.train()
+        dist = learner.model(inputs)
         logp = dist.scaled(scale).log_prob(actions).sum(-1)
         out = loss_fn(logp, old[pick], a, mask, clip_low=g.clip_low, clip_high=g.clip_high)
-        step = trainer.actor_step(out.loss, dist)
+        step = learner.actor_step(out.loss, dist)
         if step is not None:
             step |= {k: float(v) for k, v in out.metrics.items() if k in ("clip_fraction", "approx_kl")}
         steps.append(step)
-    return stats | trainer.actor_metrics(steps)
+    return stats | learner.actor_metrics(steps)
+
+
+class GRPOUpdate:
+    """GRPO on the iteration's own episodes: flat groups (`update_grpo`) or branched ones
+    (`update_branched_grpo`), without the groups the sampler dropped; no critics."""
+
+    trains_critics = False
+
+    def update(self, learner: Learner, collected: Collected, generator: torch.Generator) -> dict[str, Any]:
+        dropped = collected.dropped
+        if collected.branched is not None:
+            return update_branched_grpo(learner, collected.branched.without(dropped), generator)
+        kept = [e for e in collected.episodes if e.group not in dropped] if dropped else collected.episodes
+        return update_grpo(learner, kept, generator)
+
+
+GRPO = GRPOUpdate()

@@ -1,5 +1,6 @@
-"""HABC's mechanism as pure functions: the critics and their targets, the gate, the one-step and chunk
-advantages, and the actor weights (the trainer, `vla_rl.trainer`, only wires them up).
+"""HABC, one of the update rules on the replay buffer (`HABC`, a `vla_rl.methods.buffer.BufferUpdate`):
+its mechanism as pure functions, the critics' targets, the gate, the one-step and chunk advantages and
+the actor weights. The critics themselves are `vla_rl.methods.critics`.
 
 Two critic heads on one shared trunk over the privileged env state (a small MLP: cheap, and in
 simulation the critic may see what the policy may not; the actor still sees image + proprio).
@@ -22,11 +23,11 @@ the policy sampled is one decision: its advantage is the discounted sum of the o
 the steps executed from it (the chunk's n-step TD error), and its weight goes to each of those steps.
 The TD math is HABC's fixed mechanism, so it calls `mmrl.advantages.td1` / `gae` directly.
 
-Ablations (`habc.ablate`, `ABLATIONS`) take one part out at a time: without the viability critic A =
-A_e (g = 1), without the efficiency critic A = A_v (g = 0), without the gate a fixed even mix (g =
-1/2 in every state), without intervention-aware credit every policy segment gets its episode's
-outcome (the expert's success after a take-over is credited to the policy's actions before it) and
-the efficiency head trains on every policy segment of a successful episode.
+Ablations (`habc.ablate`, `vla_rl.config.ABLATIONS`) take one part out at a time: without the
+viability critic A = A_e (g = 1), without the efficiency critic A = A_v (g = 0), without the gate a
+fixed even mix (g = 1/2 in every state), without intervention-aware credit every policy segment gets
+its episode's outcome (the expert's success after a take-over is credited to the policy's actions
+before it) and the efficiency head trains on every policy segment of a successful episode.
 """
 
 from __future__ import annotations
@@ -34,11 +35,20 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from mmrl.advantages import gae, td1
-from mmrl.losses import awr_weights
+from vla_rl.config import VLAHABCConfig
+from vla_rl.methods.buffer import ActorTargets, BufferUpdate
+from vla_rl.methods.critics import Critics, CriticTargets
+from vla_rl.methods.weighting import (
+    Chunks,
+    Weighting,
+    advantage_weights,
+    executed_chunks,
+    spread_over_chunks,
+    weight_stats,
+)
 from vla_rl.online import Transitions
 
 
@@ -52,9 +62,6 @@ class Head(NamedTuple):
     gamma: float
 
 
-ABLATIONS = ("viability_critic", "efficiency_critic", "gate", "intervention_credit")
-
-
 class Gate(NamedTuple):
     """g = sigmoid(k (V_v - tau)): k its sharpness, tau the viability at which it is half open;
     `ablate` the parts of the mix taken out (of `ABLATIONS`: the critics and the gate)."""
@@ -64,22 +71,6 @@ class Gate(NamedTuple):
     ablate: frozenset[str] = frozenset()
 
 
-class Weighting(NamedTuple):
-    """Actor weights min(exp(beta A), w_max), A first standardised over the batch with `normalize`."""
-
-    beta: float
-    w_max: float
-    normalize: bool = False
-
-
-class Chunks(NamedTuple):
-    """The policy's decisions as rows of the flat transitions (`executed_chunks`)."""
-
-    decisions: Tensor  # (D,) rows where a chunk was sampled
-    rows: Tensor  # (D, horizon) rows of the steps executed from it (clamped)
-    executed: Tensor  # (D, horizon) bool: the position was executed from that chunk
-
-
 class HABCAdvantages(NamedTuple):
     """A_v, A_e, the gate and the mixed advantage, one entry per transition or per decision."""
 
@@ -87,15 +78,6 @@ class HABCAdvantages(NamedTuple):
     a_e: Tensor
     gate: Tensor
     advantage: Tensor
-
-
-class CriticTargets(NamedTuple):
-    """The rows each head trains on and their regression targets."""
-
-    v_rows: Tensor
-    v_target: Tensor  # viability in [0, 1]
-    e_rows: Tensor
-    e_target: Tensor  # scaled efficiency u in [-1, 0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,28 +95,12 @@ def one_step_advantage(head: Head) -> Tensor:
     return td1(head.rewards[:, None], values, head.dones[:, None], gamma=head.gamma).values[:, 0]
 
 
-def executed_chunks(chunk_step: Tensor, seg_left: Tensor, horizon: int) -> Chunks:
-    """Where the policy sampled its chunks in the flat transitions, and which steps it executed from
-    each (a chunk ends early at a take-over or at the segment's end)."""
-    decisions = torch.nonzero(chunk_step == 0).flatten()
-    offsets = torch.arange(horizon)
-    rows = (decisions[:, None] + offsets).clamp(max=len(chunk_step) - 1)
-    executed = (offsets < seg_left[decisions, None]) & (chunk_step[rows] == offsets)
-    return Chunks(decisions, rows, executed)
-
-
 def chunk_advantage(step_advantage: Tensor, rows: Tensor, executed: Tensor, gamma: float) -> Tensor:
     """A decision's one-step advantage in the semi-MDP whose actions are chunks: the discounted sum of
     the one-step advantages of the k steps executed from it, sum_i gamma^i A(t+i) (the TD terms
     telescope to r_t + ... + gamma^k V(s_{t+k}) - V(s_t))."""
     discount = gamma ** torch.arange(rows.shape[1], dtype=step_advantage.dtype)
     return (step_advantage[rows] * discount * executed).sum(1)
-
-
-def spread_over_chunks(weights: Tensor, decision_weights: Tensor, chunks: Chunks) -> None:
-    """Give every step executed from a chunk its decision's weight, in place in the per-transition
-    `weights` (steps no chunk executed keep theirs)."""
-    weights[chunks.rows[chunks.executed]] = decision_weights[:, None].expand_as(chunks.rows)[chunks.executed]
 
 
 def habc_advantages(
@@ -160,22 +126,6 @@ def habc_advantages(
         a_e = chunk_advantage(a_e, chunks.rows, chunks.executed, efficiency.gamma)
         g = g[chunks.decisions]
     return HABCAdvantages(a_v, a_e, g, (1 - g) * a_v + g * a_e)
-
-
-def advantage_weights(advantages: Tensor, weighting: Weighting) -> Tensor:
-    """min(exp(beta A), w_max) through the shared `awr_weights` (whose temperature divides A)."""
-    return awr_weights(
-        advantages, beta=1.0 / weighting.beta, max_weight=weighting.w_max, normalize=weighting.normalize
-    )
-
-
-def weight_stats(weights: Tensor, w_max: float) -> dict[str, float]:
-    """Mean, max and clipped share of the policy's actor weights."""
-    return {
-        "weight_mean": float(weights.mean()),
-        "weight_max": float(weights.max()),
-        "weight_clip_fraction": float((weights >= w_max * (1 - 1e-6)).float().mean()),
-    }
 
 
 def habc_weights(
@@ -213,43 +163,7 @@ def habc_weights(
 
 
 # ---------------------------------------------------------------------------------------------
-# Critics and their targets
-
-
-class Critics(nn.Module):
-    """Viability and efficiency heads on one shared trunk over the privileged env state.
-
-    A small MLP on the state vector (not the image): cheap to train every iteration on CPU, and in
-    simulation a critic may use what the deployed policy cannot see. Inputs are standardised with
-    statistics fixed from the first rollouts. Outputs: V_v = sigmoid(logit) in [0, 1] and the scaled
-    efficiency u = (1 - gamma_e) V_e = -sigmoid(.) in [-1, 0].
-    """
-
-    def __init__(self, state_dim: int, hidden: int) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(
-            nn.Linear(state_dim, hidden),
-            nn.LayerNorm(hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-        )
-        self.heads = nn.Linear(hidden, 2)
-        self.register_buffer("mean", torch.zeros(state_dim))
-        self.register_buffer("std", torch.ones(state_dim))
-        self.register_buffer("ready", torch.tensor(False))
-
-    def fit_normalization(self, states: Tensor) -> None:
-        """Fix the input statistics once, from the first states seen."""
-        if not bool(self.ready):
-            self.mean.copy_(states.mean(0))
-            self.std.copy_(states.std(0).clamp(min=1e-3))
-            self.ready.fill_(True)
-
-    def forward(self, state: Tensor) -> tuple[Tensor, Tensor]:
-        """(viability logit, scaled efficiency u) per state."""
-        out = self.heads(self.trunk((state - self.mean) / self.std))
-        return out[:, 0], -torch.sigmoid(out[:, 1])
+# Critic targets
 
 
 def viability_rewards(tr: Transitions, credit: bool = True) -> tuple[Tensor, Tensor]:
@@ -322,16 +236,32 @@ def critic_targets(
     return CriticTargets(v_rows, v_target.clamp(0, 1), e_rows, e_target.clamp(-1, 0))
 
 
-def critic_losses(
-    critics: Critics, state: Tensor, targets: CriticTargets, batch_size: int, generator: torch.Generator
-) -> tuple[Tensor, Tensor | None]:
-    """One minibatch per head, drawn from its rows: BCE of the viability logits and MSE of u (None
-    while no policy segment has ended in the policy's own success)."""
-    v_pick = torch.randint(len(targets.v_rows), (batch_size,), generator=generator)
-    logit, _ = critics(state[targets.v_rows[v_pick]])
-    v_loss = F.binary_cross_entropy_with_logits(logit, targets.v_target[v_pick])
-    if not len(targets.e_rows):
-        return v_loss, None
-    e_pick = torch.randint(len(targets.e_rows), (batch_size,), generator=generator)
-    _, u = critics(state[targets.e_rows[e_pick]])
-    return v_loss, F.mse_loss(u, targets.e_target[e_pick])
+# ---------------------------------------------------------------------------------------------
+# The update rule
+
+
+def habc_critic_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig) -> CriticTargets:
+    """Viability on policy segments, efficiency on the policy's own successes (`critic_targets`)."""
+    c = cfg.critic
+    credit = "intervention_credit" not in cfg.habc.ablate
+    return critic_targets(critics, tr, c.gamma_v, c.gamma_e, c.lam, credit)
+
+
+def habc_actor_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: int) -> ActorTargets:
+    """The executed chunks, weighted by HABC's gated advantage (`habc_weights`)."""
+    c, a, h = cfg.critic, cfg.actor, cfg.habc
+    viability, efficiency = heads(critics, tr, c.gamma_v, c.gamma_e, "intervention_credit" not in h.ablate)
+    chunks = executed_chunks(tr.chunk_step, tr.seg_left, horizon) if a.per_chunk else None
+    weights, stats = habc_weights(
+        tr.intervention,
+        viability,
+        efficiency,
+        Gate(h.gate_k, h.gate_tau, frozenset(h.ablate)),
+        Weighting(a.beta, a.w_max, a.normalize),
+        h.intervention_weight,
+        chunks,
+    )
+    return ActorTargets(tr.actor_rows, weights, False, stats)
+
+
+HABC = BufferUpdate(habc_critic_targets, habc_actor_targets)
