@@ -13,7 +13,7 @@ from sim.metaworld import CARRY_TASKS, LIFTED, MAX_EPISODE_STEPS, MOVED, instruc
 from vla_rl.bench import bench_vla
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import VLABCTrainer
-from vla_rl.trainer import VLAHABCTrainer
+from vla_rl.trainer import VLAOnlineTrainer
 
 pytestmark = pytest.mark.needs_metaworld
 TASK = "metaworld/pick-place-v3"
@@ -244,7 +244,7 @@ def test_habc_steps_end_to_end(tmp_path):
     overrides += ["eval.videos=0", "train.updates=2", "train.batch_size=8", "critic.updates=3"]
     overrides += ["critic.batch_size=16", "intervention.window=3", "intervention.threshold=0.4"]
     overrides += ["intervention.takeover_steps=4", "train.demos=null", "train.demo_episodes=2"]
-    result = VLAHABCTrainer(load_config("vla/habc", overrides)).train()
+    result = VLAOnlineTrainer(load_config("vla/habc", overrides)).train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["env_steps"] >= 12 and row["actor_updates"] == 2
     assert row["interventions_per_episode"] > 0  # the scripted policy took over from the untrained one

@@ -119,10 +119,10 @@ CASES = {
         ["train", "diffusion/flat_grpo", "prompt_file={missing}"], "prompt_file"
     ),
     "train-tool_grpo-model": Case(["train", "vlm/tool_grpo", "model.path={missing}"], "model.path"),
-    "train-vla_habc-model": Case(
+    "train-vla_online-model": Case(
         ["train", "vla/habc", "model.path={missing}"], "model.path", needs=pytest.mark.needs_robot
     ),
-    "train-vla_habc-demos": Case(
+    "train-vla_online-demos": Case(
         [
             "train",
             "vla/habc",

@@ -229,7 +229,7 @@ def test_named_slices_on_a_real_env():
 @pytest.mark.needs_rendering
 def test_fine_tuning_adds_the_task_words_the_policy_lacks(tmp_path, capsys):
     from mmrl.config import load_config
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
     lacking = [w for w in task_vocabulary() if w not in ("gripper", "ball")]
     tiny = {
@@ -248,7 +248,9 @@ def test_fine_tuning_adds_the_task_words_the_policy_lacks(tmp_path, capsys):
         f"model.path={tmp_path / 'base'}",
         "rollout.task=FetchReach-v4",
     ]
-    trainer = VLAHABCTrainer(load_config("vla/habc", [*overrides, "rollout.num_envs=1", "train.demos=null"]))
+    trainer = VLAOnlineTrainer(
+        load_config("vla/habc", [*overrides, "rollout.num_envs=1", "train.demos=null"])
+    )
     trainer.setup()
     policy = trainer.policy
     assert policy.config.vocabulary == [*lacking, "ball", "gripper"]

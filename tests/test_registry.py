@@ -160,7 +160,7 @@ def test_a_command_imports_only_the_plugin_code_it_runs():
     """Listing the registries imports no model library: `mmrl --help` and a robot run start fast."""
     code = (
         "import sys; from mmrl.cli import load_plugins; load_plugins(); "
-        "from mmrl.registry import TRAINERS; TRAINERS.get('vla_habc'); "
+        "from mmrl.registry import TRAINERS; TRAINERS.get('vla_online'); "
         "print(sorted(m for m in ('diffusers', 'transformers', 'peft') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -250,7 +250,7 @@ def setup_time_check(config):
 
         sizes = (config.data.train_size, config.data.heldout_size)
         check_rollout_size(config, tiny_vlm_config(), sizes, PROCESSES, CPU)
-    elif config.trainer == "vla_habc":
+    elif config.trainer == "vla_online":
         from vla_rl.config import check_env_size
 
         check_env_size(config, load_config("pretrain/vla").data.image_size)
@@ -264,4 +264,4 @@ def test_every_shipped_recipe_passes(monkeypatch):
     # the real-model recipes' weights are a local path of the user's (tests/test_replicas.py runs them)
     configs = [load_config(name) for name in list_recipes() if name not in REAL_MODEL_RECIPES]
     checked = {config.trainer for config in configs if setup_time_check(config)}
-    assert checked == {"tiny_grpo", "branch_grpo", "diffusion_nft", "tool_grpo", "vla_habc"}
+    assert checked == {"tiny_grpo", "branch_grpo", "diffusion_nft", "tool_grpo", "vla_online"}

@@ -78,7 +78,7 @@ def test_tool_grpo_refuses_another_model(saved, tmp_path, capsys, model, found):
 
 
 @pytest.mark.needs_robot
-def test_vla_habc_refuses_another_model(saved, tmp_path, capsys):
+def test_vla_online_refuses_another_model(saved, tmp_path, capsys):
     lm = saved["lm"]
     assert (lm / "config.json").is_file() and (lm / "model.safetensors").is_file()  # files habc checks for
     assert train(tmp_path, "vla/habc", f"model.path={lm}") == 2

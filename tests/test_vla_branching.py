@@ -15,7 +15,7 @@ from mmrl.tree import branch_children, split_slots
 from vla_rl.branching import BranchedGroups, BranchPlan, branched_rollouts
 from vla_rl.methods.grpo import chunk_batch, update_branched_grpo
 from vla_rl.policy import ClippedGaussian, VLAConfig, VLAPolicy, task_vocabulary
-from vla_rl.trainer import VLAHABCTrainer
+from vla_rl.trainer import VLAOnlineTrainer
 
 SIZE = 32
 BRANCHED = [
@@ -262,12 +262,12 @@ def tiny_policy_dir(tmp_path):
     return tmp_path / "base"
 
 
-def branched_trainer(tmp_path, *overrides) -> VLAHABCTrainer:
+def branched_trainer(tmp_path, *overrides) -> VLAOnlineTrainer:
     config = load_config(
         "vla/habc",
         [f"output_dir={tmp_path / 'run'}", f"model.path={tiny_policy_dir(tmp_path)}", *BRANCHED, *overrides],
     )
-    trainer = VLAHABCTrainer(config)
+    trainer = VLAOnlineTrainer(config)
     trainer.setup()
     return trainer
 
@@ -289,7 +289,7 @@ def test_branched_robot_episodes_equal_replaying_their_actions_from_reset(tmp_pa
         env.close()
 
 
-def edge_logps(trainer: VLAHABCTrainer, edges) -> torch.Tensor:
+def edge_logps(trainer: VLAOnlineTrainer, edges) -> torch.Tensor:
     """Per edge: the summed log-prob of the actions executed from its chunks under the current policy."""
     totals = []
     with torch.no_grad():
@@ -356,7 +356,7 @@ def test_a_branched_grpo_run_counts_each_shared_prefix_once(tmp_path):
     config = load_config(
         "vla/habc", [f"output_dir={tmp_path / 'run'}", f"model.path={tiny_policy_dir(tmp_path)}", *BRANCHED]
     )
-    VLAHABCTrainer(config).train()
+    VLAOnlineTrainer(config).train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -418,7 +418,7 @@ def test_a_task_without_snapshots_is_named(tmp_path):
         match="grpo.branch_every = 2 with rollout.task = 'FetchReach-v4': .* snapshot branching needs a "
         "MuJoCo env with get/set state.*set grpo.branch_every=0",
     ):
-        VLAHABCTrainer(config).setup()
+        VLAOnlineTrainer(config).setup()
 
 
 @pytest.mark.needs_rendering

@@ -533,7 +533,7 @@ def test_pretrain_refuses_a_bad_data_path_before_writing_anything(root, tmp_path
 def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
     from mmrl.config import load_config
     from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
     policy = VLAConfig(vocabulary=task_vocabulary(), image_size=16, channels=[4], keypoints=4, hidden=8)
     VLAPolicy(policy).save_pretrained(tmp_path / "policy")
@@ -545,7 +545,7 @@ def test_habc_names_train_demos_that_are_not_a_dataset(root, tmp_path):
         f"^config error: train.demos = '{root}': {root}/meta/info.json holds a JSON array, not an object"
     )
     with pytest.raises(ConfigError, match=message):
-        VLAHABCTrainer(config).train()
+        VLAOnlineTrainer(config).train()
     assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run directory is written
 
 

@@ -11,7 +11,7 @@ from mmrl.config import load_config
 from sim import expert_for
 from vla_rl.policy import UNK, VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import VLABCTrainer
-from vla_rl.trainer import VLAHABCTrainer
+from vla_rl.trainer import VLAOnlineTrainer
 
 pytestmark = pytest.mark.needs_fetch
 TASK = "FetchReach-v4"
@@ -89,7 +89,7 @@ def test_habc_end_to_end(tmp_path):
     overrides += ["eval.videos=1", "train.updates=2", "train.batch_size=8", "critic.updates=3"]
     overrides += ["critic.batch_size=16", "intervention.window=3", "intervention.threshold=0.4"]
     overrides += ["intervention.takeover_steps=4", "train.demos=null"]
-    result = VLAHABCTrainer(load_config("vla/habc", overrides)).train()
+    result = VLAOnlineTrainer(load_config("vla/habc", overrides)).train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["env_steps"] >= 10 and row["interventions_per_episode"] > 0 and row["actor_updates"] == 2
     assert 0 <= result["success_rate"] <= 1

@@ -31,7 +31,7 @@ from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 from vla_rl.pretrain import frame_tensors
 from vla_rl.recording import record_episodes
 from vla_rl.replay_buffer import ReplayBuffer
-from vla_rl.trainer import VLAHABCTrainer
+from vla_rl.trainer import VLAOnlineTrainer
 
 SIZE = 32
 TINY = [
@@ -73,7 +73,7 @@ def run(output_dir, policy_dir, *overrides):
     config = load_config(
         "vla/habc", [f"output_dir={output_dir}", f"model.path={policy_dir}", *TINY, *overrides]
     )
-    trainer = VLAHABCTrainer(config)
+    trainer = VLAOnlineTrainer(config)
     return trainer, trainer.train()
 
 
@@ -398,7 +398,7 @@ def test_grpo_updates_on_groups_with_mixed_outcomes(tmp_path):
             "rollout.group_size=2",
         ],
     )
-    trainer = VLAHABCTrainer(config)
+    trainer = VLAOnlineTrainer(config)
     trainer.setup()
     episodes = trainer.collect(0)
     for episode in episodes:  # every policy step is placed in the chunk it was executed from
@@ -474,7 +474,7 @@ def test_a_missing_policy_names_the_directories_that_hold_one(tmp_path):
     hint = r"holds no policy.*`mmrl pretrain vla`.*`mmrl replica smolvla`"
     for recipe in ("vla/habc", "vla/smolvla_habc"):
         config = load_config(recipe, [f"model.path={tmp_path / 'nothing'}", f"output_dir={tmp_path / 'run'}"])
-        for make in (VLAHABCTrainer, lambda c, r=recipe: VLAHABCTrainer.memory_plan(c, r, 1)):
+        for make in (VLAOnlineTrainer, lambda c, r=recipe: VLAOnlineTrainer.memory_plan(c, r, 1)):
             with pytest.raises(ConfigError, match=hint):
                 make(config)
     assert not (tmp_path / "run").exists()
@@ -521,7 +521,7 @@ def test_the_dry_run_plans_the_replay_buffer_a_run_fills(tmp_path, tiny_policy_d
     config = load_config(
         "vla/habc", [f"output_dir={tmp_path / 'plan'}", f"model.path={tiny_policy_dir}", *TINY, *sizes]
     )
-    plan = VLAHABCTrainer.memory_plan(config, "vla/habc", 1)
+    plan = VLAOnlineTrainer.memory_plan(config, "vla/habc", 1)
     trainer, _ = run(tmp_path / "run", tiny_policy_dir, *sizes)
     stored = [s for kind in trainer.buffer.segments.values() for s in kind]
     assert {kind: len(segments) > 0 for kind, segments in trainer.buffer.segments.items()} == {
@@ -550,5 +550,5 @@ def test_the_dry_run_of_a_robot_recipe_prints_its_plan_and_writes_nothing(tmp_pa
     for line in ("replay buffer", "demonstrations", "environments", "expected peak"):
         assert line in text
     assert "env steps: at least 30 (rollout.env_steps)" in text
-    assert "warning: the vla_habc trainer runs in one process" in text
+    assert "warning: the vla_online trainer runs in one process" in text
     assert not out.exists()

@@ -228,13 +228,13 @@ def test_cli_names_the_recipe_without_lerobot(tmp_path, no_lerobot, capsys):
 
 
 def test_fine_tuning_a_lerobot_policy_without_lerobot_names_the_install(tmp_path, no_lerobot):
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
     directory = fake_lerobot_dir(tmp_path)
     (directory / "model.safetensors").write_bytes(b"")
     config = load_config("vla/smolvla_habc", [f"model.path={directory}", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"is a LeRobot policy: .*pip install 'mmrl\[lerobot\]'"):
-        VLAHABCTrainer(config)
+        VLAOnlineTrainer(config)
     assert not (tmp_path / "run").exists()
 
 
@@ -405,9 +405,9 @@ def smolvla_config(replica, run_dir, *overrides):
 @pytest.mark.needs_rendering
 @pytest.mark.parametrize("method", ["habc", "dagger"])
 def test_the_smolvla_recipe_fine_tunes_its_replica(smolvla_replica, tmp_path, method):
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
-    VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "run", f"method={method}")).train()
+    VLAOnlineTrainer(smolvla_config(smolvla_replica, tmp_path / "run", f"method={method}")).train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[-1]["env_steps"] >= 48
     assert all(r["actor_updates"] == 2 and r["skipped_updates"] == 0 and np.isfinite(r["loss"]) for r in rows)
@@ -431,12 +431,12 @@ def test_the_smolvla_recipe_fine_tunes_its_replica(smolvla_replica, tmp_path, me
 @needs_smolvla
 @pytest.mark.needs_rendering
 def test_a_smolvla_run_resumes_exactly(smolvla_replica, tmp_path):
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
-    VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "straight")).train()
-    VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "resumed", "steps=1")).train()
+    VLAOnlineTrainer(smolvla_config(smolvla_replica, tmp_path / "straight")).train()
+    VLAOnlineTrainer(smolvla_config(smolvla_replica, tmp_path / "resumed", "steps=1")).train()
     with pytest.warns(UserWarning, match="config changes in: steps"):
-        VLAHABCTrainer(smolvla_config(smolvla_replica, tmp_path / "resumed", "resume=true")).train()
+        VLAOnlineTrainer(smolvla_config(smolvla_replica, tmp_path / "resumed", "resume=true")).train()
     straight = LeRobotPolicy.from_pretrained(tmp_path / "straight" / "policy").state_dict()
     resumed = LeRobotPolicy.from_pretrained(tmp_path / "resumed" / "policy").state_dict()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
@@ -469,7 +469,7 @@ def test_weighted_flow_matching_pulls_toward_the_heavier_chunk(smolvla_replica, 
 
 @needs_smolvla
 def test_fine_tuning_refuses_what_a_lerobot_policy_cannot_do(smolvla_replica, tmp_path):
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
     act = save_tiny("act", tmp_path / "act")
     cases = [
@@ -479,21 +479,21 @@ def test_fine_tuning_refuses_what_a_lerobot_policy_cannot_do(smolvla_replica, tm
     ]
     for directory, overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
-            VLAHABCTrainer(smolvla_config(directory, tmp_path / "run", *overrides))
+            VLAOnlineTrainer(smolvla_config(directory, tmp_path / "run", *overrides))
         assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="no action log-probabilities for GRPO"):  # --dry-run too
         config = smolvla_config(smolvla_replica, tmp_path / "run", "method=grpo", "rollout.group_size=2")
-        VLAHABCTrainer.memory_plan(config, "vla/smolvla_habc", 1)
+        VLAOnlineTrainer.memory_plan(config, "vla/smolvla_habc", 1)
 
 
 @needs_smolvla
 def test_the_smolvla_recipe_plans_its_memory_before_the_run(smolvla_replica, tmp_path, capsys):
     """--dry-run loads the SmolVLA replica, measures its phases and counts its frozen VLM as weights
     without gradients or optimizer states; it writes nothing."""
-    from vla_rl.trainer import VLAHABCTrainer
+    from vla_rl.trainer import VLAOnlineTrainer
 
     config = smolvla_config(smolvla_replica, tmp_path / "run")
-    plan = VLAHABCTrainer.memory_plan(config, "vla/smolvla_habc", 1)
+    plan = VLAOnlineTrainer.memory_plan(config, "vla/smolvla_habc", 1)
     policy = LeRobotPolicy.from_pretrained(smolvla_replica)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     assert 0 < trainable < sum(p.numel() for p in policy.parameters())

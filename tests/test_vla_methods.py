@@ -1,4 +1,4 @@
-"""The vla_habc trainer's methods: the table of replay-buffer methods (what each trains the actor on,
+"""The vla_online trainer's methods: the table of replay-buffer methods (what each trains the actor on,
 with what weight), HABC's actor weights, AWR's Monte-Carlo returns, GRPO's chunks and its config
 options looked up in the registries."""
 
@@ -19,7 +19,7 @@ from vla_rl.methods.grpo import group_advantages, sampled_chunks
 from vla_rl.methods.habc import Gate, Head, habc_weights
 from vla_rl.methods.weighting import Weighting, advantage_weights
 from vla_rl.online import Episode
-from vla_rl.trainer import VLAHABCTrainer  # noqa: F401  (registers vla_habc for load_config)
+from vla_rl.trainer import VLAOnlineTrainer  # noqa: F401  (registers vla_online for load_config)
 
 
 class ConstantCritics(torch.nn.Module):

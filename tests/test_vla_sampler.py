@@ -13,7 +13,7 @@ from mmrl.samplers import BetaThompsonSampler, DynamicFilterSampler, Sampler, Un
 from vla_rl.config import group_seeds, seed_block
 from vla_rl.online import Episode, GroupSeeds
 from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
-from vla_rl.trainer import VLAHABCTrainer
+from vla_rl.trainer import VLAOnlineTrainer
 
 
 def episode(group: int, seed: int, success: bool) -> Episode:
@@ -176,7 +176,7 @@ def test_the_sampler_state_survives_a_resume(tmp_path, branch_every):
     def run(name, *overrides):
         paths = [f"output_dir={tmp_path / name}", f"model.path={tmp_path / 'base'}"]
         cfg = load_config("vla/habc", [*paths, *TINY, f"grpo.branch_every={branch_every}", *overrides])
-        trainer = VLAHABCTrainer(cfg)
+        trainer = VLAOnlineTrainer(cfg)
         trainer.train()
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return trainer.group_seeds.sampler.state_dict(), rows
@@ -202,7 +202,7 @@ def test_branched_groups_draw_variants_and_skip_the_groups_the_filter_drops(tmp_
     VLAPolicy(config).save_pretrained(tmp_path / "base")
     overrides = [f"output_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'base'}", *TINY]
     overrides += ["rollout.sampler=dynamic_filter", "rollout.task_variants=6", "grpo.branch_every=1"]
-    trainer = VLAHABCTrainer(load_config("vla/habc", overrides))
+    trainer = VLAOnlineTrainer(load_config("vla/habc", overrides))
     trainer.setup()
     groups = trainer.collect_branched(0)
     assert {leaf.seed for leaf in groups.leaves} <= set(range(100_000, 100_006))

@@ -1,4 +1,4 @@
-"""Config of the `vla_habc` trainer (`mmrl train vla/habc`, vla/awr, vla/bc, vla/dagger, vla/grpo): one
+"""Config of the `vla_online` trainer (`mmrl train vla/habc`, vla/awr, vla/bc, vla/dagger, vla/grpo): one
 dataclass per section, the checks that need more than one field, and the size check made at setup.
 
 `method` picks the update rule (`vla_rl.methods.UPDATES`): habc, awr, bc and dagger learn from the replay
@@ -28,7 +28,7 @@ ENV_BYTES = 24 * 2**20  # one simulated task with its camera renderer (rough)
 
 
 @dataclass
-class HABCModelConfig:
+class OnlineModelConfig:
     path: str = option(
         "vla_rl/assets/tiny_vla",
         "VLAPolicy directory to start from (default: the shipped base; `mmrl pretrain vla` remakes it)",
@@ -36,7 +36,7 @@ class HABCModelConfig:
 
 
 @dataclass
-class HABCRolloutConfig:
+class OnlineRolloutConfig:
     task: str = option("PickPlace", TASK_HELP)
     env_steps: int = option(
         1600,
@@ -79,7 +79,7 @@ class HABCRolloutConfig:
 
 
 @dataclass
-class HABCInterventionConfig:
+class InterventionConfig:
     enabled: bool = option(True, "let the scripted expert take over when the policy strays")
     window: int = option(8, "policy steps over which the disagreement with the expert is averaged", min=1)
     threshold: float = option(
@@ -98,7 +98,7 @@ class HABCInterventionConfig:
 
 
 @dataclass
-class HABCCriticConfig:
+class CriticConfig:
     hidden: int = option(128, "width of the critics' shared trunk (2 layers)", min=1)
     lr: float = option(1e-3, "Adam learning rate of the critics", min=0.0)
     updates: int = option(100, "critic minibatch updates per iteration", min=0)
@@ -111,7 +111,7 @@ class HABCCriticConfig:
 
 
 @dataclass
-class HABCActorConfig:
+class ActorConfig:
     beta: float = option(5.0, "weights min(exp(beta * A), w_max) (habc and awr)", min=1e-6)
     w_max: float = option(20.0, "largest advantage weight", min=1e-6)
     normalize: bool = option(False, "standardise the advantages over the transitions before weighting")
@@ -123,7 +123,7 @@ class HABCActorConfig:
 
 
 @dataclass
-class HABCGateConfig:
+class HABCConfig:
     gate_k: float = option(10.0, "gate sharpness k in g = sigmoid(k (V_v - tau))", min=0.0)
     gate_tau: float = option(0.5, "viability at which the gate is half open", min=0.0, max=1.0)
     intervention_weight: float = option(1.0, "actor weight of intervention (demonstration) steps", min=0.0)
@@ -136,7 +136,7 @@ class HABCGateConfig:
 
 
 @dataclass
-class HABCGRPOConfig:
+class GRPOConfig:
     advantage: str | None = option(
         None,
         "advantage estimator on binary success: a group one over the episodes of each reset seed (with "
@@ -170,7 +170,7 @@ class HABCGRPOConfig:
 
 
 @dataclass
-class HABCTrainConfig:
+class OnlineTrainConfig:
     lr: float = option(3e-4, "AdamW learning rate of the policy", min=0.0)
     lr_schedule: str = option(
         "constant",
@@ -209,7 +209,7 @@ class HABCTrainConfig:
 
 
 @dataclass
-class HABCEvalConfig:
+class OnlineEvalConfig:
     episodes: int = option(100, "held-out evaluation episodes (deterministic policy)", min=1)
     seed: int = option(
         1_000_000, "reset seed of the first evaluation episode (disjoint from training seeds)", min=0
@@ -227,18 +227,18 @@ class HABCEvalConfig:
 
 
 @dataclass
-class VLAHABCConfig(BaseConfig):
-    trainer: str = option("vla_habc", "trainer name", registry="trainer")
+class VLAOnlineConfig(BaseConfig):
+    trainer: str = option("vla_online", "trainer name", registry="trainer")
     method: str = option("habc", f"update rule: {', '.join(METHODS[:-1])} or {METHODS[-1]}", choices=METHODS)
-    model: HABCModelConfig = field(default_factory=HABCModelConfig)
-    rollout: HABCRolloutConfig = field(default_factory=HABCRolloutConfig)
-    intervention: HABCInterventionConfig = field(default_factory=HABCInterventionConfig)
-    critic: HABCCriticConfig = field(default_factory=HABCCriticConfig)
-    actor: HABCActorConfig = field(default_factory=HABCActorConfig)
-    habc: HABCGateConfig = field(default_factory=HABCGateConfig)
-    grpo: HABCGRPOConfig = field(default_factory=HABCGRPOConfig)
-    train: HABCTrainConfig = field(default_factory=HABCTrainConfig)
-    eval: HABCEvalConfig = field(default_factory=HABCEvalConfig)
+    model: OnlineModelConfig = field(default_factory=OnlineModelConfig)
+    rollout: OnlineRolloutConfig = field(default_factory=OnlineRolloutConfig)
+    intervention: InterventionConfig = field(default_factory=InterventionConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    habc: HABCConfig = field(default_factory=HABCConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: OnlineTrainConfig = field(default_factory=OnlineTrainConfig)
+    eval: OnlineEvalConfig = field(default_factory=OnlineEvalConfig)
 
     def __post_init__(self) -> None:
         self.rollout.task = checked_task(self.rollout.task, "rollout.task")
@@ -353,12 +353,12 @@ class VLAHABCConfig(BaseConfig):
             )
 
 
-def branch_plan(cfg: VLAHABCConfig) -> BranchPlan:
+def branch_plan(cfg: VLAOnlineConfig) -> BranchPlan:
     """How the config's GRPO groups branch (`vla_rl.branching`)."""
     return BranchPlan(cfg.rollout.group_size, cfg.grpo.branch_every, tuple(cfg.grpo.branching))
 
 
-def check_env_size(cfg: VLAHABCConfig, image_size: int) -> None:
+def check_env_size(cfg: VLAOnlineConfig, image_size: int) -> None:
     """Refuse environments and a replay buffer that cannot fit in memory: every environment holds a
     simulator and its renderer, every stored transition a uint8 camera frame (twice while a checkpoint
     copies the buffer); the buffer holds at most its capacity and at most what the run's env-step
@@ -374,14 +374,14 @@ def check_env_size(cfg: VLAHABCConfig, image_size: int) -> None:
     )
 
 
-def seed_block(cfg: VLAHABCConfig) -> int:
+def seed_block(cfg: VLAOnlineConfig) -> int:
     """Reset seeds reserved per iteration: enough groups for the most waves an iteration can run
     (every episode takes at least one step, so a wave takes at least num_envs steps)."""
     waves = math.ceil(cfg.rollout.env_steps / cfg.rollout.num_envs)
     return waves * (cfg.rollout.num_envs // cfg.rollout.group_size)
 
 
-def group_seeds(cfg: VLAHABCConfig) -> GroupSeeds:
+def group_seeds(cfg: VLAOnlineConfig) -> GroupSeeds:
     """The reset seeds of the config's groups: fresh ones every iteration, or with
     rollout.task_variants the sampler's draws from the pool."""
     r = cfg.rollout

@@ -30,7 +30,7 @@ from mmrl.memory_plan import (
     parameter_count,
     weight_bytes,
 )
-from vla_rl.config import ENV_BYTES, VLAHABCConfig
+from vla_rl.config import ENV_BYTES, VLAOnlineConfig
 from vla_rl.lerobot_checks import load_info
 from vla_rl.lerobot_policy import LeRobotPolicy, is_lerobot_policy_dir
 from vla_rl.methods import UPDATES
@@ -71,7 +71,7 @@ def expert_episode_steps(env: Any, task: str, episodes: int = EXPERT_PROBE_EPISO
     return steps / episodes
 
 
-def demo_frames(config: VLAHABCConfig, env: Any) -> tuple[int, str]:
+def demo_frames(config: VLAOnlineConfig, env: Any) -> tuple[int, str]:
     """How many demonstration frames the run decodes, and how that was found."""
     t = config.train
     if t.demos:
@@ -86,7 +86,7 @@ def demo_frames(config: VLAHABCConfig, env: Any) -> tuple[int, str]:
     return 0, "none"
 
 
-def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
+def online_memory_plan(config: VLAOnlineConfig, recipe: str, processes: int) -> MemoryPlan:
     r, t, c = config.rollout, config.train, config.critic
     path = shipped_path(config.model.path)
     lerobot = is_lerobot_policy_dir(path)
@@ -203,7 +203,7 @@ def habc_memory_plan(config: VLAHABCConfig, recipe: str, processes: int) -> Memo
     warnings = []
     if processes > 1:
         warnings.append(
-            f"the vla_habc trainer runs in one process; --processes {processes} would be refused at start"
+            f"the vla_online trainer runs in one process; --processes {processes} would be refused at start"
         )
     return MemoryPlan(
         recipe=recipe,

@@ -241,7 +241,7 @@ class VLAPolicy(nn.Module):
             self._reported_unknown.update(new)
             warnings.warn(
                 f"the policy's vocabulary lacks {', '.join(map(repr, new))}: read as {UNK}. Fine-tune it "
-                "on the task (`vla_habc` adds the task's words) or pretrain a policy for the task",
+                "on the task (`vla_online` adds the task's words) or pretrain a policy for the task",
                 stacklevel=2,
             )
         return tokens

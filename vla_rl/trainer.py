@@ -48,14 +48,14 @@ from mmrl.registry import TRAINERS
 from mmrl.run_stops import StepSkipped
 from mmrl.trainer import Trainer, warmup_cosine
 from vla_rl.branching import BranchedGroups, branched_rollouts
-from vla_rl.config import VLAHABCConfig, branch_plan, check_env_size, group_seeds
+from vla_rl.config import VLAOnlineConfig, branch_plan, check_env_size, group_seeds
 from vla_rl.curves import episodes_to, plot_success, success_curve
 from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.episodes import check_first_observation, make_env
 from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
 from vla_rl.lerobot_policy import FLOW_MATCHING, LeRobotPolicy, import_lerobot, is_lerobot_policy_dir
-from vla_rl.memory_plan import habc_memory_plan
+from vla_rl.memory_plan import online_memory_plan
 from vla_rl.methods import UPDATES
 from vla_rl.methods.critics import Critics
 from vla_rl.methods.interface import Collected, mean_or_nan
@@ -77,7 +77,7 @@ def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
-def check_lerobot_run(config: VLAHABCConfig, path: Path) -> None:
+def check_lerobot_run(config: VLAOnlineConfig, path: Path) -> None:
     """What fine-tuning a LeRobot policy needs, checked before anything runs: a flow-matching policy
     (chunks sampled from noise, a weighted flow-matching loss), a buffer method, sampling at the
     policy's own spread, LeRobot importable."""
@@ -121,7 +121,7 @@ def demo_frames(dataset: RobotDataset, horizon: int) -> dict[str, Tensor]:
     }
 
 
-def check_policy_dir(config: VLAHABCConfig) -> bool:
+def check_policy_dir(config: VLAOnlineConfig) -> bool:
     """A ConfigError unless model.path holds a policy (ours, or a LeRobot one this environment can
     run); whether it is LeRobot's."""
     path = shipped_path(config.model.path)
@@ -139,21 +139,22 @@ def check_policy_dir(config: VLAHABCConfig) -> bool:
     return lerobot
 
 
-@TRAINERS.register("vla_habc")
-class VLAHABCTrainer(Trainer):
-    """Online fine-tuning of a pretrained VLAPolicy with HABC or a baseline (see the module docstring)."""
+@TRAINERS.register("vla_online")
+class VLAOnlineTrainer(Trainer):
+    """Online fine-tuning of a pretrained policy (ours or a LeRobot one) by any of the update rules of
+    `vla_rl.methods` (see the module docstring)."""
 
-    config_class = VLAHABCConfig
-    config: VLAHABCConfig
+    config_class = VLAOnlineConfig
+    config: VLAOnlineConfig
 
-    def __init__(self, config: VLAHABCConfig, accelerator: Accelerator | None = None) -> None:
+    def __init__(self, config: VLAOnlineConfig, accelerator: Accelerator | None = None) -> None:
         self.lerobot = check_policy_dir(config)
         super().__init__(config, accelerator)
 
     @classmethod
-    def memory_plan(cls, config: VLAHABCConfig, recipe: str, processes: int) -> MemoryPlan:
+    def memory_plan(cls, config: VLAOnlineConfig, recipe: str, processes: int) -> MemoryPlan:
         check_policy_dir(config)
-        return habc_memory_plan(config, recipe, processes)
+        return online_memory_plan(config, recipe, processes)
 
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -165,7 +166,7 @@ class VLAHABCTrainer(Trainer):
         cfg = self.config
         if self.accelerator.num_processes > 1:
             raise ConfigError(
-                "the vla_habc trainer runs in one process: "
+                "the vla_online trainer runs in one process: "
                 "launch it without accelerate's multi-process options"
             )
         try:

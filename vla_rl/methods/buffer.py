@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from mmrl.losses import aggregate_loss
-from vla_rl.config import VLAHABCConfig
+from vla_rl.config import VLAOnlineConfig
 from vla_rl.episodes import expert_errors
 from vla_rl.methods.critics import Critics, CriticTargets, critic_losses
 from vla_rl.methods.interface import Collected, Learner, mean_or_nan
@@ -53,8 +53,8 @@ class ActorTargets(NamedTuple):
     stats: dict[str, Any]
 
 
-CriticTargetsOf = Callable[[Transitions, Critics, VLAHABCConfig], CriticTargets]
-ActorTargetsOf = Callable[[Transitions, Critics, VLAHABCConfig, int], ActorTargets]
+CriticTargetsOf = Callable[[Transitions, Critics, VLAOnlineConfig], CriticTargets]
+ActorTargetsOf = Callable[[Transitions, Critics, VLAOnlineConfig, int], ActorTargets]
 
 
 @dataclass(frozen=True)
@@ -167,13 +167,13 @@ def monte_carlo_returns(tr: Transitions, gamma: float) -> Tensor:
     return tr.success.float() * gamma ** (tr.steps_left - 1).float()
 
 
-def awr_critic_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig) -> CriticTargets:
+def awr_critic_targets(tr: Transitions, critics: Critics, cfg: VLAOnlineConfig) -> CriticTargets:
     """The viability head regresses the Monte-Carlo return of every step; the efficiency head is unused."""
     rows = torch.arange(len(tr))
     return CriticTargets(rows, monte_carlo_returns(tr, cfg.critic.gamma_v), rows[:0], torch.zeros(0))
 
 
-def awr_actor_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: int) -> ActorTargets:
+def awr_actor_targets(tr: Transitions, critics: Critics, cfg: VLAOnlineConfig, horizon: int) -> ActorTargets:
     """The executed chunks of every step, weighted by the clipped exp(beta (G - V(s)))."""
     a = cfg.actor
     with torch.no_grad():
@@ -188,14 +188,16 @@ def awr_actor_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, hor
 
 
 def online_bc_actor_targets(
-    tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: int
+    tr: Transitions, critics: Critics, cfg: VLAOnlineConfig, horizon: int
 ) -> ActorTargets:
     """Intervention steps and the policy's chunks from successful episodes, weight 1."""
     rows = tr.actor_rows[(tr.intervention | tr.success)[tr.actor_rows]]
     return ActorTargets(rows, torch.ones(len(tr)), False, {})
 
 
-def dagger_actor_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: int) -> ActorTargets:
+def dagger_actor_targets(
+    tr: Transitions, critics: Critics, cfg: VLAOnlineConfig, horizon: int
+) -> ActorTargets:
     """Every visited state, with the expert's actions as targets, weight 1."""
     return ActorTargets(torch.arange(len(tr)), torch.ones(len(tr)), True, {})
 

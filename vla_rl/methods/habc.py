@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from mmrl.advantages import gae, td1
-from vla_rl.config import VLAHABCConfig
+from vla_rl.config import VLAOnlineConfig
 from vla_rl.methods.buffer import ActorTargets, BufferUpdate
 from vla_rl.methods.critics import Critics, CriticTargets
 from vla_rl.methods.weighting import (
@@ -240,14 +240,14 @@ def critic_targets(
 # The update rule
 
 
-def habc_critic_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig) -> CriticTargets:
+def habc_critic_targets(tr: Transitions, critics: Critics, cfg: VLAOnlineConfig) -> CriticTargets:
     """Viability on policy segments, efficiency on the policy's own successes (`critic_targets`)."""
     c = cfg.critic
     credit = "intervention_credit" not in cfg.habc.ablate
     return critic_targets(critics, tr, c.gamma_v, c.gamma_e, c.lam, credit)
 
 
-def habc_actor_targets(tr: Transitions, critics: Critics, cfg: VLAHABCConfig, horizon: int) -> ActorTargets:
+def habc_actor_targets(tr: Transitions, critics: Critics, cfg: VLAOnlineConfig, horizon: int) -> ActorTargets:
     """The executed chunks, weighted by HABC's gated advantage (`habc_weights`)."""
     c, a, h = cfg.critic, cfg.actor, cfg.habc
     viability, efficiency = heads(critics, tr, c.gamma_v, c.gamma_e, "intervention_credit" not in h.ablate)

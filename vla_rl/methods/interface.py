@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from torch import Tensor, nn
 
 from vla_rl.branching import BranchedGroups
-from vla_rl.config import VLAHABCConfig
+from vla_rl.config import VLAOnlineConfig
 from vla_rl.lerobot_policy import LeRobotPolicy
 from vla_rl.methods.critics import Critics
 from vla_rl.online import Episode
@@ -37,12 +37,12 @@ class Collected:
 
 
 class Learner(Protocol):
-    """What an update may use of the trainer (`vla_rl.trainer.VLAHABCTrainer`): the config, the policy
+    """What an update may use of the trainer (`vla_rl.trainer.VLAOnlineTrainer`): the config, the policy
     and the module that trains it (the policy, or its DDP wrapper), the expert (relabelling), the replay
     buffer with its episodes' lengths, the critics and their optimizer, the demonstrations, and the
     trainer's optimizer steps."""
 
-    config: VLAHABCConfig
+    config: VLAOnlineConfig
     policy: VLAPolicy | LeRobotPolicy
     model: nn.Module
     lerobot: bool
