@@ -144,17 +144,27 @@ def test_sampled_actions_are_repeatable(policies, tmp_path):
 @pytest.mark.needs_rendering
 def test_expert_takeover_rule(policies, tmp_path):
     # threshold 0 and patience 1: the expert takes over at the first step and keeps the episode
+    patience = ["intervention.enabled=true", "intervention.window=0", "intervention.patience=1"]
+    patience += ["intervention.max_per_episode=0"]
     results = run(
         policies[:1],
         tmp_path / "always",
         "episodes=2",
-        "interventions=true",
-        "takeover_threshold=0",
-        "takeover_patience=1",
-        "takeover_steps=100",
-        "takeover_release_guard=true",  # Reach holds nothing: the guard never fires there
+        *patience,
+        "intervention.threshold=0",
+        "intervention.takeover_steps=100",
+        "intervention.release_guard=true",  # Reach holds nothing: the guard never fires there
     )
-    assert results["takeover"] == {"threshold": 0.0, "patience": 1, "steps": 100, "release_guard": True}
+    assert results["takeover"] == {
+        "enabled": True,
+        "threshold": 0.0,
+        "window": 0,
+        "patience": 1,
+        "takeover_steps": 100,
+        "deadline": 0,
+        "max_per_episode": 0,
+        "release_guard": True,
+    }
     always = results["policies"][policies[0]]
     assert always["interventions"] == 2 and always["episodes_with_interventions"] == 2
     assert always["per_episode"]["expert_steps"] == always["per_episode"]["steps"]
@@ -162,7 +172,7 @@ def test_expert_takeover_rule(policies, tmp_path):
         always["expert_step_fraction"] == 1.0 and always["success_rate"] == 1.0
     )  # the Reach expert succeeds
     # an RMS difference of actions in [-1, 1] never exceeds 2: the expert never takes over
-    never = run(policies[:1], tmp_path / "never", "episodes=2", "interventions=true", "takeover_threshold=2")
+    never = run(policies[:1], tmp_path / "never", "episodes=2", *patience, "intervention.threshold=2")
     entry = never["policies"][policies[0]]
     assert entry["interventions"] == 0 and entry["expert_steps"] == 0
     # short takeovers hand back to the policy, which strays again: several takeovers per episode
@@ -170,10 +180,9 @@ def test_expert_takeover_rule(policies, tmp_path):
         policies[:1],
         tmp_path / "short",
         "episodes=1",
-        "interventions=true",
-        "takeover_threshold=0",
-        "takeover_patience=1",
-        "takeover_steps=2",
+        *patience,
+        "intervention.threshold=0",
+        "intervention.takeover_steps=2",
     )["policies"][policies[0]]
     assert short["interventions"] > 1 and short["expert_steps"] <= 2 * short["interventions"]
 
@@ -216,7 +225,11 @@ def test_evaluate_policy_keeps_its_summary():
         (["policies=[{p0}]", "rescue_at=[0]"], "distinct step numbers >= 1"),
         (["policies=[{p0}]", "rescue_at=[5,5]"], "distinct step numbers >= 1"),
         (
-            ["policies=[{p0}]", "rescue_at=[5]", "interventions=true"],
+            ["policies=[{p0}]", "intervention.enabled=true", "intervention.window=0"],
+            "the expert never takes over",
+        ),
+        (
+            ["policies=[{p0}]", "rescue_at=[5]", "intervention.enabled=true"],
             "pairs each take-over with the policy alone",
         ),
     ],

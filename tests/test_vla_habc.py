@@ -458,7 +458,7 @@ def test_habc_resume_repeats_the_next_iteration_exactly(tmp_path, tiny_policy_di
         ("eval.seed=100000", "eval.seed = 100000 makes evaluation seeds"),
         ("critic.gamma_e=1.0", "critic.gamma_e = 1.0 is out of range"),
         ("actor.beta=0", "actor.beta = 0.0 is out of range"),
-        ("intervention.window=0", "intervention.window = 0 is out of range"),
+        ("intervention.takeover_steps=0", "intervention.takeover_steps = 0 is out of range"),
         ("habc.gate_tau=2", "habc.gate_tau = 2.0 is out of range"),
         ("habc.ablate=[gait]", "unknown part(s)"),
         ("habc.ablate=[viability_critic,efficiency_critic]", "takes out both critics"),

@@ -367,7 +367,12 @@ def test_eval_vla_with_takeovers(tmp_path):
             "task=Reach",
             "episodes=2",
             "num_envs=2",
-            "interventions=true",
+            "intervention.enabled=true",
+            "intervention.threshold=0.5",
+            "intervention.window=0",
+            "intervention.patience=3",
+            "intervention.takeover_steps=10",
+            "intervention.max_per_episode=0",
             "progress=false",
             f"output_dir={tmp_path / 'eval'}",
         ]

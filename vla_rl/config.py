@@ -19,6 +19,7 @@ from vla_rl.branching import BranchPlan
 from vla_rl.evaluate import TASK_HELP
 from vla_rl.online import GroupSeeds
 from vla_rl.pretrain import checked_task
+from vla_rl.supervisor import TakeoverConfig
 
 # the update rules (`vla_rl.methods.UPDATES`): the replay-buffer methods, then grpo
 METHODS = ("habc", "awr", "bc", "dagger", "grpo")
@@ -75,25 +76,6 @@ class OnlineRolloutConfig:
     )
     sampler_options: dict = option(
         {}, "keyword options of rollout.sampler, e.g. {target: 0.5} or {lo: 0.25, hi: 0.75}"
-    )
-
-
-@dataclass
-class InterventionConfig:
-    enabled: bool = option(True, "let the scripted expert take over when the policy strays")
-    window: int = option(8, "policy steps over which the disagreement with the expert is averaged", min=1)
-    threshold: float = option(
-        1.0, "mean RMS gap to the expert's action over the window that counts as straying", min=0.0
-    )
-    takeover_steps: int = option(12, "steps the expert drives before handing control back", min=1)
-    deadline: int = option(
-        0, "steps after which, still without success, the expert takes over once (0: never)", min=0
-    )
-    max_per_episode: int = option(4, "take-overs per episode at most", min=0)
-    release_guard: bool = option(
-        False,
-        "also take over before the policy opens the gripper where that drops the held object away "
-        "from its goal (PickPlace; the last action entry is the gripper, < 0 opens)",
     )
 
 
@@ -232,7 +214,7 @@ class VLAOnlineConfig(BaseConfig):
     method: str = option("habc", f"update rule: {', '.join(METHODS[:-1])} or {METHODS[-1]}", choices=METHODS)
     model: OnlineModelConfig = field(default_factory=OnlineModelConfig)
     rollout: OnlineRolloutConfig = field(default_factory=OnlineRolloutConfig)
-    intervention: InterventionConfig = field(default_factory=InterventionConfig)
+    intervention: TakeoverConfig = field(default_factory=TakeoverConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     habc: HABCConfig = field(default_factory=HABCConfig)

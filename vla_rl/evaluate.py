@@ -16,14 +16,16 @@ Where the task's scripted expert names failure modes (`Expert.failure`: PickPlac
 tasks that carry an object), each failed episode is classified from the privileged states it visited,
 and eval_vla.json counts them per policy.
 
-With ``interventions=true`` the task's scripted expert supervises every episode and takes over when
-the policy strays, by the evaluation rule of `vla_rl.supervisor` (not necessarily the one a trainer
-uses): when the RMS difference between the policy's action and the expert's (over the 5 action entries,
-each in [-1, 1]) exceeds `takeover_threshold` for `takeover_patience` consecutive policy steps, the
-expert executes the next `takeover_steps` actions (starting with the step that triggered it), then
-hands back and the policy predicts a fresh chunk; `takeover_release_guard=true` also stops a release
-of the gripper that drops the object away from its goal. One hand-over counts as one intervention;
-success is then success *with* help, and the intervention counts say how much help was needed.
+With ``intervention.enabled=true`` the task's scripted expert supervises every episode and takes over
+when the policy strays, by a rule of `vla_rl.supervisor` set in the same `intervention.*` section
+(`TakeoverConfig`, its defaults the training recipes' rule) as training: when the RMS difference
+between the policy's action and the expert's (over the 5 action entries, each in [-1, 1]), averaged
+over the last `intervention.window` policy steps, exceeds `intervention.threshold` (or, with
+`intervention.window=0 intervention.patience=P`, does so at P consecutive policy steps), the expert
+executes `intervention.takeover_steps` actions, then hands back and the policy predicts a fresh chunk;
+`intervention.release_guard=true` also stops a release of the gripper that drops the object away from
+its goal. One hand-over counts as one intervention; success is then success *with* help, and the
+intervention counts say how much help was needed.
 Episodes run through the shared episode loop (`vla_rl.episodes`).
 
 With ``gap_window=W`` each episode also gets its largest mean RMS gap to the expert over W consecutive
@@ -46,7 +48,7 @@ import re
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,7 +72,7 @@ from vla_rl.episodes import (
 )
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
 from vla_rl.policy import VLAPolicy
-from vla_rl.supervisor import TakeoverRule, action_gap
+from vla_rl.supervisor import TakeoverConfig, TakeoverRule, action_gap
 
 if TYPE_CHECKING:
     from sim.experts import Expert
@@ -323,19 +325,7 @@ class VLAPoliciesEvalConfig:
     deterministic: bool = option(
         True, "act with the clipped mean (false: sample, from a generator seeded by seed)"
     )
-    interventions: bool = option(
-        False, "the scripted expert supervises and takes over when the policy strays"
-    )
-    takeover_threshold: float = option(
-        0.5, "RMS action difference to the expert that counts as straying", min=0.0
-    )
-    takeover_patience: int = option(3, "consecutive straying steps before the expert takes over", min=1)
-    takeover_steps: int = option(10, "actions the expert executes per takeover", min=1)
-    takeover_release_guard: bool = option(
-        False,
-        "the expert also takes over before the policy opens the gripper where that drops the held object "
-        "away from its goal (PickPlace)",
-    )
+    intervention: TakeoverConfig = field(default_factory=TakeoverConfig)
     gap_window: int = option(
         0,
         "report each episode's largest mean RMS gap to the scripted expert over this many policy steps, "
@@ -363,10 +353,10 @@ def check_config(cfg: VLAPoliciesEvalConfig) -> str:
             f"config error: rescue_at = {cfg.rescue_at}: give distinct step numbers >= 1, "
             "e.g. rescue_at=[15,30]"
         )
-    if cfg.rescue_at and cfg.interventions:
+    if cfg.rescue_at and cfg.intervention.enabled:
         raise ConfigError(
-            "config error: rescue_at pairs each take-over with the policy alone, but interventions=true "
-            "has the expert help in every episode: drop one of the two"
+            "config error: rescue_at pairs each take-over with the policy alone, but "
+            "intervention.enabled=true has the expert help in every episode: drop one of the two"
         )
     if not cfg.policies:
         raise ConfigError(
@@ -496,31 +486,15 @@ def write_gif(frames: list[np.ndarray], by_expert: list[bool], path: Path) -> No
 def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
     """Run every policy on the same seeded episodes; write eval_vla.json (and GIFs) to output_dir."""
     task = check_config(cfg)
-    takeover = (
-        TakeoverRule(
-            cfg.takeover_threshold,
-            cfg.takeover_steps,
-            patience=cfg.takeover_patience,
-            release_guard=cfg.takeover_release_guard,
-        )
-        if cfg.interventions
-        else None
-    )
+    takeover = cfg.intervention.rule()
     out = Path(cfg.output_dir)
     results: dict[str, Any] = {
         "task": task,
         "episodes": cfg.episodes,
         "seed": cfg.seed,
         "deterministic": cfg.deterministic,
-        "interventions": cfg.interventions,
-        "takeover": {
-            "threshold": takeover.threshold,
-            "patience": takeover.patience,
-            "steps": takeover.takeover_steps,
-            "release_guard": takeover.release_guard,
-        }
-        if takeover
-        else None,
+        "interventions": cfg.intervention.enabled,
+        "takeover": asdict(cfg.intervention) if cfg.intervention.enabled else None,
         "policies": {},
     }
     reference: np.ndarray | None = None

@@ -183,10 +183,11 @@ def online_memory_plan(config: VLAOnlineConfig, recipe: str, processes: int) -> 
         "demonstrations": frames * frame_bytes,
         "environments": (r.num_envs + config.eval.num_envs) * ENV_BYTES,
     }
+    iv = config.intervention
+    per_episode = f"at most {iv.max_per_episode}" if iv.max_per_episode else "any number"
     expert = (
-        f"take-overs of {config.intervention.takeover_steps} steps, at most "
-        f"{config.intervention.max_per_episode} per episode"
-        if config.intervention.enabled
+        f"take-overs of {iv.takeover_steps} steps, {per_episode} per episode"
+        if iv.enabled
         else "no take-overs (intervention.enabled = false)"
     )
     work = {

@@ -6,11 +6,11 @@ whose gap exceeds `threshold` strays. A `TakeoverRule` says when straying hands 
 expert; the expert then drives `takeover_steps` steps and hands back (the policy starts a fresh chunk).
 Two triggers, used alone or together:
 
-- `patience` (the evaluation rule, `mmrl eval vla` with `interventions=true`): the expert takes over at
-  the `patience`-th consecutive straying step, and drives that very step (the policy's action there
-  never runs). Meant for deterministic actions, where a straying step is a real disagreement.
-- `window` (the training rule, `intervention.*` of the vla recipes): the expert takes over from the next
-  step once the mean gap over the last `window` executed policy steps exceeds `threshold`. A mean
+- `patience` (`intervention.patience`): the expert takes over at the `patience`-th consecutive straying
+  step, and drives that very step (the policy's action there never runs). Meant for deterministic
+  actions, where a straying step is a real disagreement.
+- `window` (`intervention.window`, the vla recipes' rule): the expert takes over from the next step
+  once the mean gap over the last `window` executed policy steps exceeds `threshold`. A mean
   rather than consecutive steps, because training actions are sampled and noisy. The recipes'
   threshold (1.0) was set from the BC base sampling with the recipes' `std_scale`: it fires in every
   failing episode and in a few of the successful ones, where 0.6 fired in most of them (so the expert
@@ -24,6 +24,10 @@ gripper (last action entry < 0) where that drops what it holds away from the goa
 for that: one opposite gripper entry moves the RMS gap by 0.9 and the cube falls in the next step.
 Independently, if the episode has not succeeded after `deadline` steps (0: never), the expert takes over
 once. At most `max_per_episode` take-overs happen per episode (None: no limit).
+
+`TakeoverConfig` is the config section of a rule, one shape for training (`intervention.*` of the vla
+recipes) and evaluation (`intervention.*` of `mmrl eval vla`), with one set of defaults: the
+recipes' window rule.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+
+from mmrl.config import ConfigError, option
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,63 @@ class TakeoverRule:
     def __post_init__(self) -> None:
         if self.takeover_steps < 1 or min(self.patience, self.window, self.deadline) < 0:
             raise ValueError(f"{self}: takeover_steps must be >= 1, patience, window and deadline >= 0")
+
+
+@dataclass
+class TakeoverConfig:
+    """The `intervention` section: whether the scripted expert supervises, and its `TakeoverRule`."""
+
+    enabled: bool = option(False, "let the scripted expert take over when the policy strays")
+    threshold: float = option(
+        1.0,
+        "RMS gap to the expert's action that counts as straying: a step's with intervention.patience, "
+        "the mean over the last intervention.window policy steps with intervention.window",
+        min=0.0,
+    )
+    window: int = option(
+        8,
+        "policy steps over which the gap is averaged; the expert takes over from the next step once the "
+        "mean exceeds the threshold (0: off; meant for sampled actions)",
+        min=0,
+    )
+    patience: int = option(
+        0,
+        "consecutive straying policy steps at which the expert takes over, driving the last of them "
+        "(0: off; meant for deterministic actions)",
+        min=0,
+    )
+    takeover_steps: int = option(12, "steps the expert drives before handing control back", min=1)
+    deadline: int = option(
+        0, "steps after which, still without success, the expert takes over once (0: never)", min=0
+    )
+    max_per_episode: int = option(4, "take-overs per episode at most (0: no limit)", min=0)
+    release_guard: bool = option(
+        False,
+        "also take over before the policy opens the gripper where that drops the held object away "
+        "from its goal (PickPlace; the last action entry is the gripper, < 0 opens)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.enabled and not (self.window or self.patience or self.deadline or self.release_guard):
+            raise ConfigError(
+                "config error: intervention.enabled = true, but intervention.window, intervention.patience "
+                "and intervention.deadline are 0 and intervention.release_guard is false, so the expert "
+                "never takes over: set one, e.g. intervention.window=8"
+            )
+
+    def rule(self) -> TakeoverRule | None:
+        """The rule the supervisor applies, or None when the expert does not supervise."""
+        if not self.enabled:
+            return None
+        return TakeoverRule(
+            self.threshold,
+            self.takeover_steps,
+            patience=self.patience,
+            window=self.window,
+            deadline=self.deadline,
+            max_per_episode=self.max_per_episode or None,
+            release_guard=self.release_guard,
+        )
 
 
 def action_gap(action: np.ndarray, expert_action: np.ndarray) -> float:

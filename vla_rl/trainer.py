@@ -64,7 +64,6 @@ from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy,
 from vla_rl.pretrain import frame_tensors
 from vla_rl.recording import expert_demonstrations
 from vla_rl.replay_buffer import ReplayBuffer
-from vla_rl.supervisor import TakeoverRule
 
 
 def _stream(seed: int, step: int, stream: int) -> int:
@@ -317,20 +316,9 @@ class VLAOnlineTrainer(Trainer):
     # ----- one iteration -----------------------------------------------------------------------
     def collect(self, step: int) -> list[Episode]:
         """Waves of num_envs episodes until the iteration's env-step budget is reached."""
-        cfg, r, iv = self.config, self.config.rollout, self.config.intervention
+        cfg, r = self.config, self.config.rollout
         generator = torch.Generator().manual_seed(_stream(cfg.seed, step, 0))
-        takeover = (
-            TakeoverRule(
-                iv.threshold,
-                iv.takeover_steps,
-                window=iv.window,
-                deadline=iv.deadline,
-                max_per_episode=iv.max_per_episode,
-                release_guard=iv.release_guard,
-            )
-            if iv.enabled
-            else None
-        )
+        takeover = cfg.intervention.rule()
         self.group_seeds.start(step)
         episodes: list[Episode] = []
         steps, wave = 0, 0
