@@ -15,18 +15,15 @@ from mmrl.config import ConfigError
 from mmrl.registry import BENCHES, EVALUATORS
 from vla_rl.bench import bench_vla
 from vla_rl.episodes import Outcome, Step
-from vla_rl.evaluate import (
-    Episodes,
-    ExpertGaps,
+from vla_rl.evaluate import Episodes, ExpertGaps, evaluate_policy, wilson_interval
+from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
+from vla_rl.policy_comparison import (
     VLAPoliciesEvalConfig,
     eval_vla,
     evaluate_policies,
-    evaluate_policy,
     format_gaps,
     gap_summary,
-    wilson_interval,
 )
-from vla_rl.policy import VLAConfig, VLAPolicy, task_vocabulary
 
 SIZE = 32
 

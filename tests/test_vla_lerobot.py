@@ -15,8 +15,8 @@ import torch
 
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
-from vla_rl.evaluate import VLAPoliciesEvalConfig, check_config
 from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
+from vla_rl.policy_comparison import VLAPoliciesEvalConfig, check_config
 
 
 def _lerobot_error() -> str | None:
@@ -358,7 +358,7 @@ def test_evaluate_policy_on_reach(tmp_path, kind):
 @pytest.mark.needs_rendering
 def test_eval_vla_with_takeovers(tmp_path):
     """`mmrl eval vla` on LeRobot directories; expert takeovers hand single rows back (reset(rows))."""
-    from vla_rl.evaluate import eval_vla
+    from vla_rl.policy_comparison import eval_vla
 
     dirs = [save_tiny(kind, tmp_path / kind) for kind in ("act", "diffusion")]
     results = eval_vla(

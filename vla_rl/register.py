@@ -4,5 +4,7 @@ evaluator and the replica (each imported when one of its entries is first used,
 
 from mmrl.registry import TASKS, provide
 
-provide("vla_rl.trainer", "vla_rl.pretrain", "vla_rl.bench", "vla_rl.evaluate", "vla_rl.smolvla_replica")
+provide(
+    "vla_rl.trainer", "vla_rl.pretrain", "vla_rl.bench", "vla_rl.policy_comparison", "vla_rl.smolvla_replica"
+)
 TASKS.fill_from("sim")
