@@ -2,6 +2,7 @@
 cloning on recorded demonstrations, and `mmrl pretrain vla` end to end with its config errors."""
 
 import dataclasses
+import inspect
 import json
 import math
 
@@ -15,6 +16,7 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import TASKS
 from vla_rl.evaluate import wilson_interval
+from vla_rl.lerobot_policy import LeRobotPolicy
 from vla_rl.policy import UNK, ClippedGaussian, VLAConfig, VLAPolicy, chunk_nll, task_vocabulary
 from vla_rl.pretrain import frame_tensors, object_positions
 from vla_rl.recording import record_episodes
@@ -121,6 +123,14 @@ def test_log_prob_of_a_sampled_chunk_and_the_mask():
     assert torch.isfinite(total).all()
     mask = torch.tensor([[True, True, False, False]] * 3)
     torch.testing.assert_close(policy.log_prob(batch, chunk, mask), dist.log_prob(chunk)[:, :2].sum((1, 2)))
+
+
+def test_every_policy_acts_deterministically_by_default():
+    defaults = {
+        cls: inspect.signature(cls.act).parameters["deterministic"].default
+        for cls in (VLAPolicy, LeRobotPolicy)
+    }
+    assert defaults == {VLAPolicy: True, LeRobotPolicy: True}
 
 
 @pytest.mark.needs_rendering

@@ -80,7 +80,7 @@ def _vector_runner(
             if policy is None:
                 actions = rng.uniform(-1, 1, action_shape).astype(np.float32)
             else:
-                actions = policy.act(state["obs"], state["instructions"], deterministic=True)
+                actions = policy.act(state["obs"], state["instructions"])
             obs, _, terminated, truncated, info = envs.step(actions)
             taken += int(num_envs - state["resetting"].sum())
             if policy is not None and state["resetting"].any():  # new episodes: predict fresh chunks
@@ -111,7 +111,7 @@ def _single_runner(
             if policy is None:
                 action = rng.uniform(-1, 1, action_shape).astype(np.float32)
             else:
-                action = policy.act(state["obs"], state["instruction"], deterministic=True)
+                action = policy.act(state["obs"], state["instruction"])
             obs, _, terminated, truncated, info = env.step(action)
             if terminated or truncated:
                 state["seed"] += 1

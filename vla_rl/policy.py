@@ -322,11 +322,12 @@ class VLAPolicy(nn.Module):
         self,
         obs: Mapping[str, np.ndarray],
         instruction: str | Sequence[str],
-        deterministic: bool = False,
+        deterministic: bool = True,
         generator: torch.Generator | None = None,
     ) -> np.ndarray:
         """The next action (action_dim,) for one env's observation, or (B, action_dim) for a vector env's
-        stacked observations with B instructions. Deterministic: the clipped mean; else a sample."""
+        stacked observations with B instructions. Deterministic (the default, as for a LeRobot policy):
+        the clipped mean; else a sample from `generator`."""
         obs, instruction, single = as_batch(obs, instruction)
         size = len(obs["image"])
         if self._queue is None or len(self._queue) != size:
