@@ -18,6 +18,15 @@ POLICY_TARGET = 0.5  # policy-in-the-loop steps/s over raw stepping with the sam
 BATCHING_TARGET = 1.0  # N envs with batched act over one env, at least
 
 
+def next_actions(
+    policy: VLAPolicy | None, rng: np.random.Generator, shape: tuple[int, ...], obs: Any, instructions: Any
+) -> np.ndarray:
+    """Random actions of `shape`, or the policy's for the observations and instructions."""
+    if policy is None:
+        return rng.uniform(-1, 1, shape).astype(np.float32)
+    return policy.act(obs, instructions)
+
+
 def vector_runner(
     task: str, num_envs: int, obs_mode: str, image_size: int, policy: VLAPolicy | None, **make_kwargs: Any
 ) -> tuple[Callable[[int], int], Callable[[], None]]:
@@ -41,10 +50,7 @@ def vector_runner(
     def run(n: int) -> int:
         taken = 0
         for _ in range(n):
-            if policy is None:
-                actions = rng.uniform(-1, 1, action_shape).astype(np.float32)
-            else:
-                actions = policy.act(state["obs"], state["instructions"])
+            actions = next_actions(policy, rng, action_shape, state["obs"], state["instructions"])
             obs, _, terminated, truncated, info = envs.step(actions)
             taken += int(num_envs - state["resetting"].sum())
             if policy is not None and state["resetting"].any():  # new episodes: predict fresh chunks
@@ -72,10 +78,7 @@ def single_runner(
 
     def run(n: int) -> int:
         for _ in range(n):
-            if policy is None:
-                action = rng.uniform(-1, 1, action_shape).astype(np.float32)
-            else:
-                action = policy.act(state["obs"], state["instruction"])
+            action = next_actions(policy, rng, action_shape, state["obs"], state["instruction"])
             obs, _, terminated, truncated, info = env.step(action)
             if terminated or truncated:
                 state["seed"] += 1
