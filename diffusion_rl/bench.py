@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
+from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.branch_rollout import TreePlan, plan_for, rollout_trees
 from diffusion_rl.config import RolloutConfig
-from diffusion_rl.diffusion_trainer import DiffusionTrainer
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.nft_trainer import DiffusionNFTTrainer
+from diffusion_rl.nft import DiffusionNFTTrainer
 from diffusion_rl.shapes import vocabulary
-from diffusion_rl.trainer import BranchGRPOTrainer
+from diffusion_rl.trainer import DiffusionTrainer
 from mmrl.bench_all import check_counts
 from mmrl.config import load_config
 from mmrl.precision import explore_precision

@@ -1,18 +1,25 @@
-"""The `branch_grpo` config: one dataclass per section, and the checks that refuse a config whose
-pieces do not fit together (a split the schedule does not have, a pruned depth the tree does not
-have, a leaf-only advantage on a branching tree) before any model is loaded."""
+"""The diffusion trainers' configs, one dataclass per section: `branch_grpo`'s (`BranchGRPOConfig`) and
+`diffusion_nft`'s (`DiffusionNFTConfig`), which share the model, reward (`diffusion_rl.reward_config`)
+and evaluation sections; and the checks that refuse a config whose pieces do not fit together (a
+split the schedule does not have, a pruned depth the tree does not have, a leaf-only advantage on a
+branching tree, an exploration pool smaller than the group it keeps) before any model is loaded."""
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from diffusion_rl.reward_config import (
+    REWARD_KEYS,
+    RewardConfig,
+    check_options,
+    check_reward_name,
+    reward_mapping,
+)
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
-from mmrl.registry import ADVANTAGES, REWARDS, closest
+from mmrl.registry import ADVANTAGES
 
 
 @dataclass
@@ -170,163 +177,6 @@ class TrainConfig:
     )
 
 
-DEFAULT_REWARD = "geneval_mini"
-TERM_KEYS = ("name", "weight", "options", "label")
-# held-out metrics a term label would overwrite (heldout_<label>)
-RESERVED_LABELS = ("alignment", "gold", "reward")
-REWARD_KEYS = ("name", "options")
-
-
-@dataclass
-class RewardConfig:
-    """One reward (`name`, `options`) or a weighted sum of several (`terms`), which the trainer
-    computes on every leaf; `normalize: group` z-scores each term within each prompt's group (its
-    tree) before weighting, so that terms on different scales weigh what their weights say."""
-
-    name: str | None = option(
-        None, f"reward (see `mmrl list`); null: {DEFAULT_REWARD}, or the rewards of terms", registry="reward"
-    )
-    options: dict = option({}, "keyword options of the reward factory")
-    terms: list | None = option(
-        None,
-        "instead of name: rewards trained together, their weighted sum the trained reward, e.g. "
-        "[{name: geneval_mini, weight: 1.0}, {name: jpeg_incompressibility, weight: 0.1, options: {}}]; "
-        "each term's mean is logged as reward_<label> (label: the name unless given, so the same reward "
-        "with other options can be a second term; weight 0: logged, not trained)",
-    )
-    normalize: Literal["none", "group"] = option(
-        "none", "none: raw rewards; group: each term z-scored within each prompt's group before weighting"
-    )
-
-    def __post_init__(self) -> None:
-        if self.terms is None:
-            if self.name is None:
-                self.name = DEFAULT_REWARD
-            return
-        if self.name is not None:
-            raise ConfigError(
-                f"config error: reward.name = {self.name!r} and reward.terms are both given: train one "
-                "reward with name (and options) or several with terms, and set the other to null "
-                "(e.g. reward.name=null beside reward.terms=[...])"
-            )
-        if self.options:
-            raise ConfigError(
-                f"config error: reward.options = {self.options!r} is given with reward.terms: give each "
-                "term its own options (reward.terms[i].options) and set reward.options={}"
-            )
-        self.terms = check_reward_terms(self.terms)
-
-
-def check_reward_terms(terms: Any) -> list[dict[str, Any]]:
-    """`reward.terms` as a list of {name, weight, options} (weight 1 and options {} where left out),
-    or a ConfigError naming the first bad key."""
-    if not isinstance(terms, list | tuple):
-        raise ConfigError(
-            f"config error: reward.terms = {terms!r} is not a list: give [{{name: ..., weight: ...}}, ...]"
-        )
-    if not terms:
-        raise ConfigError(
-            "config error: reward.terms is an empty list: give at least one {name: ..., weight: ...}, "
-            "or set reward.terms=null and reward.name=..."
-        )
-    checked, seen = [], {}
-    for i, term in enumerate(terms):
-        key = f"reward.terms[{i}]"
-        term = reward_mapping(
-            term, key, TERM_KEYS, "{name: ..., weight: ..., options: ..., label: ...}", "valid keys of a term"
-        )
-        name = check_reward_name(term.get("name"), f"{key}.name")
-        label = check_term_label(term["label"], f"{key}.label") if "label" in term else name
-        if label in seen:
-            raise ConfigError(
-                f"config error: {key} is logged as {label!r} like reward.terms[{seen[label]}] (its mean is "
-                f"reward_{label}): merge their weights, or, for the same reward with other options, give "
-                f"one of them another label ({key}.label)"
-            )
-        seen[label] = i
-        checked.append(
-            {
-                "name": name,
-                "weight": check_weight(term.get("weight", 1.0), f"{key}.weight"),
-                "options": check_options(term.get("options", {}), f"{key}.options"),
-                "label": label,
-            }
-        )
-    if all(term["weight"] == 0 for term in checked):
-        raise ConfigError(
-            f"config error: reward.terms = {terms!r}: every weight is 0, so nothing would be trained; "
-            "give at least one term a non-zero weight"
-        )
-    return checked
-
-
-def reward_mapping(value: Any, key: str, allowed: Sequence[str], give: str, valid: str) -> dict[str, Any]:
-    """A reward entry at config `key` as a mapping ({name: value} for a bare name) whose keys are all in
-    `allowed`; a ConfigError saying what to `give`, or naming an unknown key with the `valid` ones."""
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, dict):
-        raise ConfigError(f"config error: {key} = {value!r} is not a mapping: give {give}")
-    for extra in value:
-        if extra not in allowed:
-            hint = closest(str(extra), list(allowed))
-            did_you_mean = f"; did you mean '{key}.{hint}'?" if hint else ""
-            raise ConfigError(
-                f"config error: unknown key '{key}.{extra}'{did_you_mean} {valid}: {', '.join(allowed)}"
-            )
-    return value
-
-
-def check_reward_name(name: Any, key: str) -> str:
-    if name is None:
-        raise ConfigError(f"config error: {key} is missing: name a reward (see `mmrl list`)")
-    if not isinstance(name, str):
-        raise ConfigError(f"config error: {key} = {name!r} is not a string: name a reward (see `mmrl list`)")
-    if name not in REWARDS:
-        raise ConfigError(f"config error: {key} = {name!r}: {REWARDS.unknown_message(name)}")
-    return name
-
-
-def check_term_label(label: Any, key: str) -> str:
-    """A term's label: the suffix of its metrics (reward_<label>, heldout_<label>)."""
-    if not isinstance(label, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", label):
-        raise ConfigError(
-            f"config error: {key} = {label!r} is not a label of lower-case letters, digits and "
-            "underscores (it names the term's metrics, reward_<label>): e.g. shapes_identity"
-        )
-    if label in RESERVED_LABELS:
-        raise ConfigError(
-            f"config error: {key} = {label!r} would overwrite the metric heldout_{label}: "
-            "choose another label"
-        )
-    return label
-
-
-def check_weight(weight: Any, key: str) -> float:
-    number = weight
-    if isinstance(weight, str):  # YAML 1.1 reads "1e-1" as a string
-        try:
-            number = float(weight)
-        except ValueError:
-            number = None
-    if isinstance(number, bool) or not isinstance(number, int | float):
-        raise ConfigError(f"config error: {key} = {weight!r} is not a number")
-    if not math.isfinite(number):
-        raise ConfigError(f"config error: {key} = {weight!r} is not a finite number")
-    return float(number)
-
-
-def check_options(options: Any, key: str) -> dict[str, Any]:
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise ConfigError(
-            f"config error: {key} = {options!r} is not a mapping: give the reward factory's keyword "
-            "options, e.g. {quality: 90}"
-        )
-    return dict(options)
-
-
 @dataclass
 class EvalConfig:
     prompts: int = option(64, "held-out prompts", min=1)
@@ -451,4 +301,137 @@ class BranchGRPOConfig(BaseConfig):
                 f"config error: explore.keep = {self.explore.keep} leaves, but an exploration tree has "
                 f"{pool} (explore.branch_factor ** {depths} splits): lower explore.keep or raise "
                 "explore.branch_factor"
+            )
+
+
+@dataclass
+class NFTRolloutConfig:
+    prompts_per_step: int = option(4, "prompts per step on each process", min=1)
+    group_size: int = option(16, "samples per prompt (one group of the advantage)", min=2, max=1024)
+    steps: int = option(10, "denoising steps", min=1)
+    image_size: int | None = option(
+        None,
+        "image side in pixels (null: the model's own size)",
+        min=1,
+        max=4096,
+        why="models draw up to 2048 px",
+    )
+    solver: Literal["ode", "sde"] = option(
+        "ode", "ode: deterministic (seeded initial noise only); sde: Flow-GRPO's stochastic steps"
+    )
+    noise_level: float = option(0.7, "Flow-GRPO a of the sde solver", min=0.0)
+    ode_stride: int = option(
+        1, "ode solver: steps taken this many at a time, second-order; 1: one Euler step each", min=1
+    )
+    guidance_scale: float = option(
+        1.0, "classifier-free guidance while sampling (1: none; the update never uses guidance)", min=1.0
+    )
+    call_rows: int | None = call_rows_option()
+
+
+@dataclass
+class NFTExploreConfig:
+    """Sol-RL: a large pool explored in low precision, its best and worst regenerated in full precision."""
+
+    enabled: bool = option(False, "explore a candidate pool in low precision and train on its extremes")
+    precision: str = option("nvfp4-emulated", "precision of the exploration pass", registry="precision")
+    pool: int = option(
+        64,
+        "candidates per prompt explored (rollout.group_size of them are kept)",
+        min=2,
+        max=4096,
+        why="pool",
+    )
+    steps: int | None = option(None, "denoising steps while exploring (null: rollout.steps)", min=1)
+    quantize_activations: bool = option(False, "also fake-quantise Linear inputs (W4A4)")
+
+
+@dataclass
+class NFTTrainConfig:
+    lr: float = option(1e-4, "AdamW learning rate", min=0.0)
+    beta: float = option(
+        1.0, "strength of the implicit positive / negative policies around the old one", min=1e-6
+    )
+    advantage: str = option(
+        "grpo_global_std",
+        "group advantage estimator whose values map to optimality r = clip(A, -C, C) / 2C + 1/2 "
+        "(grpo_global_std: DiffusionNFT's per-prompt mean over the batch's std)",
+        registry="advantage",
+        kinds=("group",),
+    )
+    adv_clip: float = option(5.0, "C: advantages clipped to [-C, C] before the map to [0, 1]", min=1e-6)
+    loss: str = option(
+        "diffusion_nft",
+        "forward-process loss on the clean samples (see `mmrl list`)",
+        registry="loss",
+        kinds=("forward_process",),
+    )
+    loss_scale: float | None = option(
+        None, "multiplies the policy term (null: train.adv_clip, as DiffusionNFT's code)", min=0.0
+    )
+    noise_levels: Literal["sampler", "uniform"] = option(
+        "sampler",
+        "where a clean sample's noise levels come from: sampler, a keyed draw without repeats from the "
+        "rollout's own rollout.steps levels (DiffusionNFT's code); uniform, t ~ U(0, 1)",
+    )
+    timesteps_per_sample: int | None = option(
+        None,
+        "noise levels per clean sample and update (null: DiffusionNFT's int(0.99 x rollout.steps))",
+        min=1,
+        max=1000,
+        why="each costs a forward",
+    )
+    old_decay_start: int = option(
+        0, "the old policy equals the trained one (decay 0) for this many optimizer steps", min=0
+    )
+    old_decay_rate: float = option(
+        0.001, "after that, its EMA decay grows this much per optimizer step", min=0.0
+    )
+    old_decay_max: float = option(0.5, "up to this decay", min=0.0, max=0.9999)
+    kl_coef: float = option(
+        0.0, "weight of the squared velocity difference to the frozen start model", min=0.0
+    )
+    max_grad_norm: float = option(1.0, "gradient clipping norm", min=0.0)
+    minibatches: int = option(1, "optimizer steps per iteration, each on a shuffled share", min=1)
+    micro_batch: int = option(16, "noised samples per forward/backward", min=1)
+    sampler: str = option(
+        "uniform",
+        "prompt sampler (dynamic_filter and beta_thompson learn from every prompt's rewards)",
+        registry="sampler",
+    )
+    sampler_options: dict = option(
+        {}, "keyword options of the sampler, e.g. {success_threshold: 0.7} on the reward's scale"
+    )
+    nan_patience: int = option(3, "consecutive non-finite steps before the run stops", min=1)
+    ema_decay: float = option(
+        0.0, "EMA of the trained weights, used to evaluate and save the result (0: off)", min=0.0, max=0.9999
+    )
+
+
+@dataclass
+class DiffusionNFTConfig(BaseConfig):
+    trainer: str = option("diffusion_nft", "trainer name", registry="trainer")
+    prompt_file: str | None = option(None, "text file with one prompt per line (null: the shapes prompts)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: NFTRolloutConfig = field(default_factory=NFTRolloutConfig)
+    explore: NFTExploreConfig = field(default_factory=NFTExploreConfig)
+    train: NFTTrainConfig = field(default_factory=NFTTrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        check_group_size(self.train.advantage, self.rollout.group_size, "rollout.group_size")
+        levels, steps = self.train.timesteps_per_sample, self.rollout.steps
+        if self.train.noise_levels == "sampler" and levels is not None and levels > steps:
+            raise ConfigError(
+                f"config error: train.timesteps_per_sample = {levels} noise levels per sample, but "
+                f"train.noise_levels = 'sampler' draws them without repeats from the rollout's "
+                f"rollout.steps = {steps}: use at most {steps}, or train.noise_levels=uniform"
+            )
+        e, group = self.explore, self.rollout.group_size
+        if e.enabled and (group % 2 or group > e.pool):
+            raise ConfigError(
+                f"config error: with explore.enabled, rollout.group_size = {group} samples per prompt are "
+                f"the best half and the worst half of explore.pool = {e.pool} candidates: it must be even "
+                "and at most the pool"
             )

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from diffusion_rl.alignment import load_scorer
-from diffusion_rl.config import REWARD_KEYS, check_options, check_reward_name, reward_mapping
 from diffusion_rl.inputs import load_prompts
 from diffusion_rl.models import FlowPipeline, check_model_directory
+from diffusion_rl.reward_config import REWARD_KEYS, check_options, check_reward_name, reward_mapping
 from diffusion_rl.reward_terms import RewardFailed, build_reward, scored
 from diffusion_rl.sampling import sample_ode
 from diffusion_rl.shapes import heldout_prompts, parse_prompt, train_prompts

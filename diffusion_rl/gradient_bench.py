@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from diffusion_rl.branch_grpo import BranchGRPOTrainer, Sample, sample_weight
 from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.trainer import BranchGRPOTrainer, Sample, sample_weight
 from mmrl.bench_all import print_table
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import BENCHES

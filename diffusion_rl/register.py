@@ -6,11 +6,13 @@ diffusers."""
 from mmrl.registry import provide
 
 provide(
-    "diffusion_rl.trainer",
-    "diffusion_rl.nft_trainer",
+    "diffusion_rl.branch_grpo",
+    "diffusion_rl.nft",
     "diffusion_rl.pretrain",
     "diffusion_rl.rewards",
+    "diffusion_rl.reward_server",
     "diffusion_rl.alignment",
+    "diffusion_rl.shapes_strict",
     "diffusion_rl.replicas",
     "diffusion_rl.bench",
     "diffusion_rl.gradient_bench",

@@ -10,9 +10,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from diffusion_rl.config import RewardConfig
 from diffusion_rl.models import one_line
-from diffusion_rl.rewards import OPTIONS_KEY, RewardServerError
+from diffusion_rl.reward_config import RewardConfig
+from diffusion_rl.reward_server import RewardServerError
+from diffusion_rl.rewards import OPTIONS_KEY
 from mmrl.config import ConfigError
 from mmrl.registry import REWARDS, UnknownNameError
 from mmrl.rewards import RewardFn, RewardOutputError, checked_rewards

@@ -1,299 +1,496 @@
-"""BranchGRPO for flow-matching text-to-image models; flat GRPO is the depth-1 case.
+"""What every text-to-image trainer shares, whatever its objective: prompts and reward, the pipeline
+(full fine-tune or LoRA), the frozen reference, the optimizer, the prompt sampler, rewards gathered
+over processes, the EMA of the trained weights, held-out evaluation and the saved result.
 
-One training step, read top to bottom in `BranchGRPOTrainer.train_step`:
+`BranchGRPOTrainer` (`diffusion_rl.branch_grpo`: PPO on SDE steps of denoising trees) and
+`DiffusionNFTTrainer` (`diffusion_rl.nft`: forward-process training on clean samples) add
+their rollout and update. A config for this class has the sections `model`, `rollout` (with
+`prompts_per_step` and `image_size`), `train` (with `lr`, `kl_coef`, `sampler`, `sampler_options`,
+`ema_decay`), `reward` and `eval`, and a `prompt_file`.
 
-1. the sampler (`train.sampler`) picks prompts;
-2. (optional, Sol-RL, `diffusion_rl.quantized_exploration`) a large candidate pool is explored with
-   the policy quantised (e.g. NVFP4) and only its best and worst leaves are replayed;
-3. denoising trees are rolled out (`diffusion_rl.branch_rollout`): every node branches
-   `branch_factor` ways at each split step, and every random draw is keyed, so replays are exact;
-4. the leaves are rewarded; the sampler sees every prompt's rewards; advantages (`train.advantage`)
-   come from a tree estimator on the rewards fused up each tree (node credit), or from a group
-   estimator per tree over its leaves (flat credit: an edge carries the mean of its leaves');
-5. the policy loss (`train.loss`) on the log-prob of every stochastic step of every trained edge
-   (an edge parent -> child carries A(child); with flat credit it counts once per leaf below it, so
-   on a branching tree the loss is flat GRPO's on the leaves' paths), then the optimizer step and
-   the EMA.
-
-Flat GRPO (DanceGRPO / Flow-GRPO) is ``split_steps: [0]`` with ``branch_factor`` = group size and a
-group advantage estimator (``grpo`` or ``grpo_global_std``). The Mix variant is ``sde_window``: SDE
-steps inside the window and at split steps, ODE elsewhere, and only SDE steps are trained.
+Rewards: `reward` is one registered reward or weighted `terms` (`diffusion_rl.config.RewardConfig`);
+`score` computes every term on the leaves, z-scores each within its tree when `reward.normalize` is
+group, and trains on the weighted sum; `reward_metrics` gives each term's raw mean (reward_<name>).
+`eval.gold_reward` is scored on the held-out samples beside the trained terms but never trained on;
+a run whose trained reward rose while the gold reward fell beyond noise (the first and last
+evaluations share prompts and noise, so the change is paired prompt by prompt, its standard error
+from the per-prompt scores kept in `heldout_scores.json`) is flagged in eval.json (`divergence`).
 """
 
 from __future__ import annotations
 
-import math
-import time
+import copy
+import functools
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from diffusion_rl.branch_rollout import (
-    StepRecord,
-    plan_for,
-    rollout_trees,
-    set_leaf_rewards,
-    step_log_probs,
-    training_samples,
+from diffusion_rl.inputs import (
+    check_gold_reward,
+    check_prompt_tokens,
+    located_heldout_prompts,
+    located_prompts,
+    resolve_model_path,
+    trainable_denoiser,
 )
-from diffusion_rl.config import BranchGRPOConfig
-from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly, update_summary
-from diffusion_rl.inputs import check_prompt_count
-from diffusion_rl.models import Conditioning, FlowPipeline
-from diffusion_rl.quantized_exploration import (
-    KeptLeaves,
-    exploration_plan,
-    keep_for_replay,
-    rank_agreement,
-    replay_plan,
+from diffusion_rl.models import FlowPipeline
+from diffusion_rl.reward_server import check_reward_server
+from diffusion_rl.reward_terms import (
+    RewardFailed,
+    build_reward,
+    build_reward_terms,
+    combine_rewards,
+    reward_hacking_record,
+    scored,
 )
-from diffusion_rl.sampling import save_grid
-from diffusion_rl.sde import StepOutput
-from mmrl.credit import assign_credit
-from mmrl.losses import LossOutput, gaussian_kl_same_std
-from mmrl.precision import explore_precision
-from mmrl.registry import LOSSES, TRAINERS
-from mmrl.resources import check_memory
+from diffusion_rl.sampling import evaluate_alignment, evaluation_prompts
+from mmrl.checkpoint import STEP_PREFIX, list_checkpoints
+from mmrl.config import ConfigError
+from mmrl.credit import GroupedRewards
+from mmrl.memory_plan import MemoryPlan
+from mmrl.rewards import RewardFn
+from mmrl.run_stops import TrainingStopped
+from mmrl.runlog import write_json
+from mmrl.samplers import build_sampler
+from mmrl.trainer import Trainer
+from mmrl.tree import RolloutTree
 
-# latent-sized tensors one sample's denoiser forward holds at its peak (rough, from the tiny UNet)
+GOLD_KEY = "gold"  # held-out metric heldout_gold
+DIVERGENCE_KEY = "divergence"  # eval.json entry of the reward-hacking check
+HELDOUT_SCORES_FILE = "heldout_scores.json"  # per-prompt held-out scores of the before and after evaluations
+# latent-sized tensors a sample's denoiser forward holds at its peak (rough, tiny UNet): size checks
 FORWARD_LATENTS = 64
 TRAINING_LATENTS = 512  # the same with gradients
 
-# (tree index, a stored stochastic step, its edge's advantage, its weight: the paths it stands for)
-Sample = tuple[int, StepRecord, float, float]
+
+def update_summary(stats: list[tuple[int, dict[str, Any], float]], grad_norms: list[float]) -> dict[str, Any]:
+    """The metrics of an update from its micro-batches' (size, loss metrics, loss), weighted by size,
+    and the mean gradient norm of its optimizer steps."""
+    total = sum(n for n, _, _ in stats)
+    merged = {k: sum(n * float(m[k]) for n, m, _ in stats) / total for k in stats[0][1]}
+    return {
+        "loss": sum(n * value for n, _, value in stats) / total,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        **merged,
+    }
 
 
-def sample_weight(samples: list[Sample]) -> float:
-    """The paths `samples` stand for: the denominator of their weighted mean loss."""
-    return sum(w for _, _, _, w in samples)
+def split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
+    """`items` cut into `parts` consecutive pieces whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Setup
+class DiffusionTrainer(Trainer):
+    """The shared setup and bookkeeping (see the module docstring); subclasses implement
+    `check_size`, `train_step` and whatever their update needs."""
 
-
-def check_rollout_size(
-    cfg: BranchGRPOConfig, pipe: FlowPipeline, prompts: int, processes: int, device: torch.device
-) -> None:
-    """Refuse a step that would draw a prompt twice, or whose rollouts and updates cannot fit on
-    `device`: every stochastic step of every node keeps its input and output latents, each model
-    evaluation runs on all of a step's nodes at once (twice with guidance), and each update runs
-    `train.micro_batch` steps with gradients."""
-    r = cfg.rollout
-    check_prompt_count(cfg, prompts, processes)
-    latent = 4 * math.prod(pipe.latent_shape())
-    side = pipe.latent_shape()[-1] * pipe.vae_scale
-    plans = {"rollout.branch_factor": plan_for(r)}
-    if cfg.explore.enabled:
-        plans["explore.branch_factor"] = exploration_plan(r, cfg.explore)
-    per_prompt = {}  # key of the branch factor: (bytes, leaves, stochastic node steps) per prompt
-    for key, plan in plans.items():
-        per_step = plan.rows_per_step()
-        rows = per_step[-1]
-        records = sum(n for n, stochastic in zip(per_step, plan.sde_mask, strict=True) if stochastic)
-        need = latent * (2 * records + 2 * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
-        per_prompt[key] = (need, rows, records)
-    factor = max(per_prompt, key=lambda key: per_prompt[key][0])  # the larger tree: rollout or exploration
-    need, leaves, _ = per_prompt[factor]
-    micro_batch = min(cfg.train.micro_batch, r.prompts_per_step * per_prompt["rollout.branch_factor"][2])
-    check_memory(
-        r.prompts_per_step * need + 2 * micro_batch * TRAINING_LATENTS * latent,
-        f"rollout trees of {r.prompts_per_step} prompts x {leaves} leaves of {side}x{side} px and updates "
-        f"of {micro_batch} denoising steps (rollout.prompts_per_step x "
-        f"{factor}^len(rollout.split_steps), rollout.image_size, train.micro_batch)",
-        ["rollout.prompts_per_step", factor, "rollout.image_size", "train.micro_batch"],
-        device,
-    )
-
-
-@TRAINERS.register("branch_grpo")
-class BranchGRPOTrainer(DiffusionTrainer):
-    config_class = BranchGRPOConfig
-    config: BranchGRPOConfig
+    config: Any
 
     def setup(self) -> None:
-        super().setup()
         cfg = self.config
-        self.policy_loss = LOSSES.get(cfg.train.loss)
-        self.plan = plan_for(cfg.rollout)
+        training = located_prompts(cfg.prompt_file)
+        heldout = located_heldout_prompts(cfg.eval)
+        self.prompts = [prompt for _, prompt in training]
+        self.heldout_prompts = None if cfg.eval.prompt_file is None else [prompt for _, prompt in heldout]
+        self.reward_terms = build_reward_terms(cfg.reward)
+        self.reward_fn = self.reward_terms[0].fn  # the one reward (terms: see `score`)
+        self.last_reward_metrics: dict[str, float] = {}
+        self.last_heldout_scores: dict[str, list[float]] = {}  # per prompt, of the latest evaluation
+        self.gold_reward_fn = None
+        gold = cfg.eval.gold_reward
+        check_gold_reward(cfg)
+        if gold is not None:
+            self.gold_reward_fn = build_reward(gold["name"], gold["options"], "eval.gold_reward.")
+        self.check_reward_servers()
+        model_dir = resolve_model_path(cfg.model.path)
+        try:
+            self.pipe = FlowPipeline.from_pretrained(model_dir)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
+        self.pipe.to(self.accelerator.device)
+        self.pipe.set_frozen_dtype(getattr(torch, cfg.model.frozen_dtype))
+        if cfg.rollout.image_size is not None:
+            try:
+                self.pipe.set_image_size(cfg.rollout.image_size)
+            except ValueError as err:
+                raise ConfigError(
+                    f"config error: rollout.image_size = {cfg.rollout.image_size}: {err}"
+                ) from None
+        truncated = check_prompt_tokens(self.pipe, [*training, *heldout])
+        if truncated is not None and self.is_main:
+            print(f"warning: {truncated}", file=sys.stderr)
+        self.check_size()
+        self.pipe.call_rows = cfg.rollout.call_rows
+        if cfg.model.cache_prompt_embeddings:
+            self.pipe.cache_prompts(
+                [*self.prompts, *evaluation_prompts(cfg.eval.prompts, self.heldout_prompts), ""]
+            )
+        self.reference = None
+        if cfg.train.kl_coef > 0:
+            self.reference = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)
+        self.trained_params = trainable_denoiser(self.pipe.denoiser, cfg.model)
+        self.ema = [p.detach().clone() for p in self.trained_params] if cfg.train.ema_decay > 0 else None
+        self.prepare_model_and_optimizer(
+            self.pipe.denoiser, self.trained_params, lr=cfg.train.lr, weight_decay=0.0
+        )
+        self.sampler = build_sampler(
+            cfg.train.sampler, cfg.train.sampler_options, len(self.prompts), cfg.seed, "train.sampler_options"
+        )
+        self.uncond_one = self.pipe.encode_prompts([""])
+
+    def check_reward_servers(self) -> None:
+        """Refuse, before anything is written, a trained or gold reward whose server does not answer a
+        request now (`check_reward_server`); mid-run a failing server stops the run instead."""
+        cfg = self.config
+        if cfg.reward.terms is None:
+            keys = ["reward"]
+        else:
+            keys = [f"reward.terms[{i}]" for i in range(len(self.reward_terms))]
+        rewards = [(key, term.fn) for key, term in zip(keys, self.reward_terms, strict=True)]
+        if self.gold_reward_fn is not None:
+            rewards.append(("eval.gold_reward", self.gold_reward_fn))
+        for key, fn in rewards:
+            check_reward_server(fn, self.prompts[0], key)
+
+    @classmethod
+    def memory_plan(cls, config: Any, recipe: str, processes: int) -> MemoryPlan:
+        from diffusion_rl.memory_plan import diffusion_memory_plan
+
+        return diffusion_memory_plan(config, recipe, processes)
 
     def check_size(self) -> None:
-        check_rollout_size(
-            self.config, self.pipe, len(self.prompts), self.accelerator.num_processes, self.accelerator.device
+        """Refuse a step that cannot fit on the device, before the model is trained (a ConfigError)."""
+        raise NotImplementedError
+
+    def trainer_state(self) -> dict[str, Any]:
+        state = {"sampler": self.sampler.state_dict()}
+        if self.ema is not None:
+            state["ema"] = self.ema
+        return state
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if self.ema is not None:
+            for ema, saved in zip(self.ema, state["ema"], strict=True):
+                ema.copy_(saved)
+
+    # -- prompts and rewards --------------------------------------------------------------------
+
+    def pick_prompts(self) -> tuple[list[int], list[int], list[str]]:
+        """The step's draw (the same on every process: same sampler state), this process's slots in
+        it (unique across processes: the trees' noise ids and advantage groups) and their prompts."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        n = self.config.rollout.prompts_per_step
+        chosen = self.sampler.sample(n * world)
+        slots = list(range(rank, n * world, world))
+        return chosen, slots, [self.prompts[chosen[s]] for s in slots]
+
+    def score(
+        self, trees: list[RolloutTree], latents: torch.Tensor, prompts: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rewards of the leaves (`latents`, tree-major; `prompts` one per tree) and their images.
+
+        One reward: its values. Terms (or `reward.normalize: group`): every term on every leaf, each
+        z-scored within its tree (a prompt's group) when normalised, summed with the terms' weights;
+        each term's raw mean is kept for `reward_metrics`."""
+        images = self.pipe.decode(latents)
+        leaf_prompts = [prompts[t] for t, tree in enumerate(trees) for _ in tree.leaves()]
+        reward = self.config.reward
+        if reward.terms is None and reward.normalize == "none":
+            self.last_reward_metrics = {}
+            return self.call_reward(self.reward_terms[0].name, self.reward_fn, images, leaf_prompts), images
+        terms = (
+            self.reward_terms
+            if reward.terms is not None
+            else [self.reward_terms[0]._replace(fn=self.reward_fn)]
+        )
+        raw = {term.label: self.call_reward(term.name, term.fn, images, leaf_prompts) for term in terms}
+        self.last_reward_metrics = {f"reward_{name}": values.mean().item() for name, values in raw.items()}
+        sizes = [len(tree.leaves()) for tree in trees]
+        weights = {term.label: term.weight for term in terms}
+        return combine_rewards(raw, weights, sizes, reward.normalize), images
+
+    @staticmethod
+    def call_reward(name: str, fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """`scored` in a training step, where a failing reward stops the run (TrainingStopped: the
+        trainer keeps the checkpoint of the last completed step and records why in stopped.json)."""
+        try:
+            return scored(name, fn, images, prompts)
+        except RewardFailed as err:
+            raise TrainingStopped(str(err)) from err
+
+    def reward_metrics(self) -> dict[str, float]:
+        """Each trained term's raw mean over the leaves of the last `score` call (reward_<name>);
+        empty for one reward without `reward.normalize`, whose values are the trained reward itself."""
+        return dict(self.last_reward_metrics)
+
+    def gather_rewards(self, slots: list[int], rewards: torch.Tensor) -> GroupedRewards:
+        """Every process's leaf rewards, so that the sampler's state stays the same on every process
+        and group statistics span them all."""
+        gathered = self.gather([(slots, rewards.tolist())], "every process's leaf rewards")
+        all_slots = torch.tensor([s for part in gathered for s in part[0]])
+        leaves_per_tree = len(rewards) // len(slots)
+        rank = self.accelerator.process_index
+        return GroupedRewards(
+            rewards=torch.tensor([r for part in gathered for r in part[1]]),
+            groups=all_slots.repeat_interleave(leaves_per_tree),
+            offset=sum(len(part[1]) for part in gathered[:rank]),
         )
 
-    # -- one step -------------------------------------------------------------------------------
+    # -- weights: EMA, swapping, evaluation and the result ---------------------------------------
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        started = time.perf_counter()
-        samples, cond, uncond, metrics = self.collect_samples(step)
-        metrics.update(self.optimise(samples, cond, uncond, step))
-        metrics["step_seconds"] = time.perf_counter() - started  # rollout, reward and update
+    def update_ema(self) -> None:
+        """Move the EMA of the trained weights towards them (after every optimizer step)."""
+        if self.ema is None:
+            return
+        with torch.no_grad():
+            for ema, p in zip(self.ema, self.trained_params, strict=True):
+                ema.lerp_(p, 1 - self.config.train.ema_decay)
+
+    @contextmanager
+    def swapped_weights(self, values: Sequence[torch.Tensor] | None) -> Iterator[None]:
+        """Copy `values` into the trained weights for the duration (no-op for None)."""
+        if values is None:
+            yield
+            return
+        live = [p.detach().clone() for p in self.trained_params]
+        with torch.no_grad():
+            for p, value in zip(self.trained_params, values, strict=True):
+                p.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.trained_params, live, strict=True):
+                    p.copy_(saved)
+
+    def ema_weights(self) -> AbstractContextManager[None]:
+        """The EMA weights in the model for the duration (no-op without EMA)."""
+        return self.swapped_weights(self.ema)
+
+    def heldout_rewards(self) -> dict[str, RewardFn]:
+        """The rewards the held-out samples are also scored by, as heldout_<key>: with terms, a gold
+        reward or eval.prompt_file, every trained term (by label) and the gold reward (key `GOLD_KEY`);
+        else none (heldout_alignment alone)."""
+        if self.config.reward.terms is None and self.gold_reward_fn is None and self.heldout_prompts is None:
+            return {}
+        if self.config.reward.terms is None:
+            rewards = {self.reward_terms[0].label: self.reward_fn}
+        else:
+            rewards = {term.label: term.fn for term in self.reward_terms}
+        if self.gold_reward_fn is not None:
+            rewards[GOLD_KEY] = self.gold_reward_fn
+        return rewards
+
+    def trained_heldout_key(self) -> str:
+        """The held-out metric of the trained reward: heldout_reward (the weighted sum of the terms'
+        held-out means) with terms, heldout_<name> for one reward."""
+        if self.config.reward.terms is not None:
+            return "heldout_reward"
+        return f"heldout_{self.reward_terms[0].label}"
+
+    def evaluate(self) -> dict[str, float]:
+        """heldout_alignment (geneval_mini) of ODE samples for the fixed held-out prompts and noise, and
+        with terms or a gold reward also heldout_<term>, heldout_reward (terms) and heldout_gold. With
+        eval.prompt_file, its prompts scored by the trained reward(s) and the gold reward only. The
+        per-prompt scores stay in `last_heldout_scores` for the reward-hacking check. A reward that
+        fails ends the run or the command (`evaluation_stop`)."""
+        try:
+            return self.heldout_metrics()
+        except RewardFailed as err:
+            raise self.evaluation_stop(str(err)) from None
+
+    def evaluation_stop(self, failure: str) -> Exception:
+        """What a reward failing in a held-out evaluation ends in. Without a started run (`mmrl eval`):
+        a one-line error. In a run: a stop recorded in stopped.json that keeps the checkpoints and says
+        how to evaluate again; when the run has reached `steps` (the evaluation after training), its
+        result (`final/`) is written first."""
+        if not self.run_started:
+            return ConfigError(
+                f"in the held-out evaluation, {failure}: fix the reward (or start its server) and run "
+                "`mmrl eval` again"
+            )
+        kept = list_checkpoints(self.checkpoint_dir)
+        checkpoint = kept[-1] if kept else None
+        step = int(checkpoint.name.removeprefix(STEP_PREFIX)) if checkpoint is not None else 0
+        again = f"`mmrl eval {self.run_dir / 'config.yaml'}` evaluates it once the reward works"
+        if checkpoint is None:
+            where = "no checkpoint is written yet: launch the run again once the reward works"
+        elif step >= self.config.steps:
+            if self.is_main:
+                self.save_result()
+            where = (
+                f"training is done: the result is saved in {self.result_dir} and the checkpoint of step "
+                f"{step} in {checkpoint}; {again}"
+            )
+        else:
+            where = f"the newest checkpoint is {checkpoint}: resume=true continues from it, and {again}"
+        reason = f"in the held-out evaluation, {failure}"
+        self.record_stop(step, reason, checkpoint)
+        return TrainingStopped(f"{reason}; {where}")
+
+    def heldout_metrics(self) -> dict[str, float]:
+        """`evaluate`'s metrics; RewardFailed for a reward that fails on the held-out samples."""
+        cfg = self.config.eval
+        names = {term.label: term.name for term in self.reward_terms}  # the registered reward of a key
+        if cfg.gold_reward is not None:
+            names[GOLD_KEY] = cfg.gold_reward["name"]
+        rewards = {
+            key: functools.partial(scored, names[key], fn) for key, fn in self.heldout_rewards().items()
+        }
+        per_prompt: dict[str, list[float]] = {}
+        self.last_heldout_scores = per_prompt
+        with self.ema_weights():
+            if not rewards:
+                return evaluate_alignment(
+                    self.pipe, cfg.prompts, cfg.steps, cfg.guidance_scale, self.config.seed
+                )
+            metrics = evaluate_alignment(
+                self.pipe,
+                cfg.prompts,
+                cfg.steps,
+                cfg.guidance_scale,
+                self.config.seed,
+                rewards=rewards,
+                prompts=self.heldout_prompts,
+                per_prompt=per_prompt,
+            )
+        keys = [f"heldout_{term.label}" for term in self.reward_terms]
+        if self.config.reward.terms is not None and all(key in metrics for key in keys):
+            weights = [term.weight for term in self.reward_terms]
+            metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))
+            if all(key in per_prompt for key in keys):
+                columns = zip(*(per_prompt[key] for key in keys), strict=True)
+                per_prompt["heldout_reward"] = [
+                    sum(w * v for w, v in zip(weights, row, strict=True)) for row in columns
+                ]
         return metrics
 
-    def collect_samples(
-        self, step: int
-    ) -> tuple[list[list[Sample]], Conditioning, Conditioning, dict[str, Any]]:
-        """Steps 1-4 of the module docstring: the trained samples of iteration `step` (grouped as
-        `training_samples` returns them), the prompts' conditioning and the rollout's metrics."""
-        cfg = self.config
-        chosen, slots, prompts = self.pick_prompts()
-        cond = self.pipe.encode_prompts(prompts)
-        uncond = self.uncond_one[[0] * len(prompts)]
-        metrics: dict[str, Any] = {}
+    def write_eval(self, key: str, metrics: dict[str, float]) -> None:
+        """eval.json[key], and with a gold reward the before and after evaluations' per-prompt scores
+        in `HELDOUT_SCORES_FILE`, which the reward-hacking check pairs."""
+        super().write_eval(key, metrics)
+        if not self.is_main or key not in ("before", "after") or self.gold_reward_fn is None:
+            return
+        path = self.run_dir / HELDOUT_SCORES_FILE
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        saved[key] = self.last_heldout_scores
+        write_json(path, saved, indent=None)
 
-        plan, kept = self.plan, None
-        if cfg.explore.enabled:  # Sol-RL: replay only the best and worst leaves of a low-precision pool
-            kept, explore_metrics = self.explore(slots, prompts, cond, uncond, step)
-            plan = replay_plan(cfg.rollout, cfg.explore)
-            metrics.update(explore_metrics)
-        skeletons = None if kept is None else kept.skeletons
-        trees, leaves, evaluations = rollout_trees(
-            self.pipe, cond, uncond, slots, plan, cfg.rollout, cfg.seed, step, skeletons
-        )
+    @property
+    def result_dir(self) -> Path:
+        """Where `save_result` writes the trained model once the run reaches `steps`."""
+        return self.run_dir / "final"
 
-        rewards, images = self.score(trees, leaves, prompts)
-        metrics.update(self.reward_metrics())
-        if not torch.isfinite(rewards).all():
-            self.skip_step("non-finite reward", cfg.train.nan_patience)
-        if kept is not None:
-            metrics["kendall_tau_lowp_vs_full"] = rank_agreement(kept, trees, rewards)
-        set_leaf_rewards(trees, rewards)
+    def superseded_result(self) -> tuple[Path, Path] | None:
+        """(`final/`, where it moves) when this launch continues the run past an earlier result: a run
+        killed before its new end must not leave the earlier model under the name of the run's result."""
+        start = self.resume_from.step if self.resume_from is not None else 0
+        if not self.result_dir.exists() or start >= self.config.steps:
+            return None
+        return self.result_dir, self.run_dir / f"final-before-step-{start:08d}"
 
-        everyone = self.gather_rewards(slots, rewards)
-        keep = self.sampler.update(chosen, everyone.rewards, everyone.groups)
-        credit = assign_credit(
-            trees,
-            cfg.train.advantage,
-            fusion=cfg.rollout.reward_fusion,
-            clip=cfg.train.adv_clip,
-            everyone=everyone,
-        )
-        dropped = {t for t, slot in enumerate(slots) if not keep[slot]}  # filtered out by the sampler
-        advantages = {key: 0.0 if key[0] in dropped else a for key, a in credit.nodes.items()}
-        samples = training_samples(trees, advantages, cfg.prune, leaf_weighted=credit.per_leaf)
-        metrics.update(
-            reward=rewards.mean(),
-            reward_std=rewards.std(),
-            nfe=evaluations / len(trees),
-            trained_steps=sum(len(group) for group in samples),
-            leaves_per_prompt=len(rewards) / len(trees),
-            skipped_steps=self.skipped_steps,
-        )
-        if self.is_main and step % 10 == 0:
-            save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")
-        return samples, cond, uncond, metrics
-
-    def explore(
-        self, slots: list[int], prompts: list[str], cond: Conditioning, uncond: Conditioning, step: int
-    ) -> tuple[KeptLeaves, dict[str, Any]]:
-        """Sol-RL's pool: the exploration trees rolled out with the denoiser in low precision and
-        rewarded; the best and worst leaves of each are kept for the full-precision replay."""
-        cfg = self.config
-        plan = exploration_plan(cfg.rollout, cfg.explore)
-        with explore_precision(self.pipe.denoiser, cfg.explore.precision, cfg.explore.quantize_activations):
-            trees, leaves, evaluations = rollout_trees(
-                self.pipe, cond, uncond, slots, plan, cfg.rollout, cfg.seed, step
+    def prepare_run_dir(self) -> None:
+        super().prepare_run_dir()
+        moved = self.superseded_result()
+        if moved is not None and moved[1].exists():
+            raise ConfigError(
+                f"{moved[0]} is the result of an earlier launch and {moved[1]} exists too: move one of "
+                "them out of the run directory before continuing the run"
             )
-        rewards, _ = self.score(trees, leaves, prompts)
-        kept = keep_for_replay(plan, trees, rewards, cfg.explore.keep)
-        return kept, {"explore_nfe": evaluations / len(trees), "explore_reward": rewards.mean()}
 
-    # -- update ---------------------------------------------------------------------------------
+    def start_run_dir(self) -> None:
+        super().start_run_dir()
+        moved = self.superseded_result()
+        if self.is_main and moved is not None:
+            moved[0].rename(moved[1])
+            print(
+                f"moved {moved[0]} to {moved[1]}: this launch continues the run to step "
+                f"{self.config.steps} and writes a new final/ when it gets there",
+                file=sys.stderr,
+            )
 
-    def optimise(
-        self, groups: list[list[Sample]], cond: Conditioning, uncond: Conditioning, step: int
-    ) -> dict[str, Any]:
-        """The policy loss over all samples: shuffled (keyed by seed and step, so resumes are exact)
-        and split into `train.minibatches` optimizer steps, each accumulated over micro-batches. Every
-        mini-batch after the first is off-policy, which is where the ratio clip acts. Groups of samples
-        with one input are shuffled as units, so they share a micro-batch and one model evaluation."""
-        cfg = self.config
-        if not groups:
-            return {"loss": 0.0}
-        order = torch.randperm(
-            len(groups), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        ).tolist()
-        shuffled = [sample for i in order for sample in groups[i]]
-        minibatches = [part for part in split_evenly(shuffled, cfg.train.minibatches) if part]
-        sigmas = self.pipe.sigmas(cfg.rollout.steps)
-        split_steps = set(self.plan.split_steps)
-        stats, grad_norms = [], []
-        for minibatch in minibatches:
-            self.optimizer.zero_grad(set_to_none=True)
-            for start in range(0, len(minibatch), cfg.train.micro_batch):
-                chunk = minibatch[start : start + cfg.train.micro_batch]
-                loss, metrics = self.chunk_loss(chunk, cond, uncond, sigmas, split_steps)
-                self.backward(loss * sample_weight(chunk) / sample_weight(minibatch))
-                stats.append((len(chunk), metrics, float(loss.detach())))
-            grad_norms.append(float(self.apply_gradients(cfg.train.max_grad_norm, cfg.train.nan_patience)))
-            self.update_ema()
-        return update_summary(stats, grad_norms)
+    def train(self) -> dict[str, Any]:
+        result = super().train()
+        if self.is_main:
+            self.save_result()
+            self.check_reward_hacking()
+        return result
 
-    def chunk_loss(
-        self,
-        chunk: list[Sample],
-        cond: Conditioning,
-        uncond: Conditioning,
-        sigmas: torch.Tensor,
-        split_steps: set[int],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The policy loss of a micro-batch, plus `train.kl_coef` times the KL of the step means to
-        the reference model's, both means weighted by the samples' weights; a non-finite loss or
-        log-prob skips the step."""
-        cfg = self.config.train
-        device = self.pipe.device
-        old = torch.tensor([r.old_logp for _, r, _, _ in chunk], device=device)
-        adv = torch.tensor([a for _, _, a, _ in chunk], device=device)
-        weights = torch.tensor([w for _, _, _, w in chunk], device=device)
-        out = self.chunk_log_probs(self.model, chunk, cond, uncond, sigmas, split_steps)
-        result: LossOutput = self.policy_loss(
-            out.log_prob,
-            old,
-            adv,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            adv_clip=cfg.adv_clip,
-            weights=weights,
+    def check_reward_hacking(self) -> dict[str, Any] | None:
+        """With a gold reward: whether the trained reward's held-out score rose and the gold score fell
+        from the first evaluation (eval.json `before`) to the last (`after`), written to
+        eval.json[`DIVERGENCE_KEY`] with both changes, and a warning line when it did."""
+        if self.gold_reward_fn is None:
+            return None
+        path = self.run_dir / "eval.json"
+        evals = json.loads(path.read_text()) if path.is_file() else {}
+        scores_path = self.run_dir / HELDOUT_SCORES_FILE
+        scores = json.loads(scores_path.read_text()) if scores_path.is_file() else {}
+        record = reward_hacking_record(
+            evals.get("before"),
+            evals.get("after"),
+            self.trained_heldout_key(),
+            f"heldout_{GOLD_KEY}",
+            self.config.eval.divergence_margin,
+            scores.get("before"),
+            scores.get("after"),
         )
-        loss = result.loss
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self.chunk_log_probs(self.reference, chunk, cond, uncond, sigmas, split_steps)
-            kl = gaussian_kl_same_std(out.mean, ref.mean, out.std)
-            loss = loss + cfg.kl_coef * (kl * weights).sum() / weights.sum()
-        if not self.all_finite(loss, out.log_prob):
-            self.skip_step("non-finite loss or log-prob", cfg.nan_patience)
-        return loss, result.metrics
+        if record is None:
+            return None
+        self.write_eval(DIVERGENCE_KEY, record)
+        if record["gold_fell"]:
+            gold = self.config.eval.gold_reward["name"]
+            noise = (
+                ""
+                if not record["gold_se"]
+                else f" ({-record['gold_delta'] / record['gold_se']:.1f} paired s.e.)"
+            )
+            what, moved = (
+                ("reward hacking suspected", "rose")
+                if record["reward_hacking_suspected"]
+                else ("the run degraded", "moved")
+            )
+            print(
+                f"warning: {what}: the trained reward's {record['trained_metric']} {moved} by "
+                f"{record['trained_delta']:+.4f} while the gold reward {gold} (heldout_gold) fell by "
+                f"{record['gold_delta']:+.4f}{noise} from the first to the last evaluation; inspect the "
+                f"samples in {self.samples_dir} (eval.json: {DIVERGENCE_KEY})",
+                file=sys.stderr,
+            )
+        return record
 
-    def chunk_log_probs(
-        self,
-        denoiser: torch.nn.Module,
-        chunk: list[Sample],
-        cond: Conditioning,
-        uncond: Conditioning,
-        sigmas: torch.Tensor,
-        split_steps: set[int],
-    ) -> StepOutput:
-        """Log-probs of a micro-batch of stored steps under `denoiser` (the policy or the reference).
-        Rows with the same prompt, step and latent (siblings at a split) share one model evaluation."""
-        tree_index = torch.tensor([t for t, _, _, _ in chunk], device=self.pipe.device)
-        steps = torch.tensor([r.step for _, r, _, _ in chunk], device=self.pipe.device)
-        x = torch.stack([r.x for _, r, _, _ in chunk])
-        x_next = torch.stack([r.x_next for _, r, _, _ in chunk])
-        sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
-        rows = torch.cat([tree_index[:, None], steps[:, None], x.flatten(1)], dim=1).float()
-        _, inverse = torch.unique(rows, dim=0, return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1,), len(chunk), device=x.device)
-        first = first.scatter_reduce(0, inverse, torch.arange(len(chunk), device=x.device), "amin")
-        prompts = tree_index[first].tolist()
-        v = self.pipe.velocity(
-            x[first],
-            sigma[first],
-            cond[prompts],
-            self.config.rollout.guidance_scale,
-            uncond[prompts],
-            denoiser=denoiser,
-        )[inverse]
-        is_split = torch.tensor([r.step in split_steps for _, r, _, _ in chunk])
-        return step_log_probs(self.config.rollout, v, x, sigma, sigma_next, x_next, is_split)
+    def save_result(self) -> None:
+        """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or
+        a LoRA result that plain diffusers loads at the trained strength with `pipe.load_lora_weights`
+        and that names its base model (model.path) for `FlowPipeline.from_pretrained`. It is written into
+        a temporary sibling renamed into place, so a write that fails (a full disk) or is killed never
+        leaves a half-written `final/`; a result there before stays until the new one replaces it."""
+        import os
+        import shutil
+
+        out = self.result_dir
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        replaced = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        denoiser = self.accelerator.unwrap_model(self.model)
+        try:
+            with self.ema_weights():
+                if self.config.model.lora_rank > 0:
+                    self.pipe.save_lora_weights(tmp, denoiser, self.config.model.path)
+                else:
+                    self.pipe.with_denoiser(denoiser).save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if out.exists():
+            os.replace(out, replaced)
+        os.replace(tmp, out)
+        shutil.rmtree(replaced, ignore_errors=True)

@@ -11,13 +11,10 @@ from diffusion_rl.alignment import (
     REBUILD_COMMAND,
     WEIGHTS_FILE,
     AlignmentScorer,
-    corrupt_spec,
-    evaluate_scorer,
     load_scorer,
-    main,
     save_scorer,
-    train_scorer,
 )
+from diffusion_rl.alignment_training import corrupt_spec, evaluate_scorer, main, train_scorer
 from diffusion_rl.shapes import (
     Scene,
     ShapeObject,
@@ -132,7 +129,7 @@ def test_reward_registry_entry(heldout_scenes):
 
 
 def test_missing_weights_name_the_rebuild_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m diffusion_rl.alignment"):
+    with pytest.raises(FileNotFoundError, match="python -m diffusion_rl.alignment_training"):
         load_scorer(tmp_path)
 
 
@@ -154,7 +151,7 @@ def test_train_scorer_writes_a_loadable_scorer(tmp_path):
     config = json.loads((tmp_path / CONFIG_FILE).read_text())
     assert config["heldout"] == info["heldout"]
     assert config["rebuild_command"].startswith(
-        f"python -m diffusion_rl.alignment --out {tmp_path} --steps 3 "
+        f"python -m diffusion_rl.alignment_training --out {tmp_path} --steps 3 "
     )
     evaluated_again = evaluate_scorer(load_scorer(tmp_path), 16, seed=info["heldout"]["seed"])
     assert evaluated_again == info["heldout"]  # the loaded scorer gives the trained one's outputs

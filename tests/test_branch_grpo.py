@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.branch_rollout import (
     ancestors,
     plan_for,
@@ -16,7 +17,6 @@ from diffusion_rl.branch_rollout import (
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.sde import sde_step, shifted_sigmas
 from diffusion_rl.shapes import vocabulary
-from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.advantages import grpo
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
@@ -340,9 +340,7 @@ def test_fp4_exploration_keeps_best_and_worst_and_replays(model_dir, tmp_path):
 
 @pytest.mark.parametrize("sampler", SAMPLERS.names())
 def test_every_sampler_trains_two_steps(model_dir, tmp_path, monkeypatch, sampler):
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
     small = ["rollout.steps=4", "rollout.split_steps=[0,2]", "steps=2", "checkpoint_every=2"]
     trainer = trainer_for(model_dir, tmp_path, f"train.sampler={sampler}", *small)
     trainer.train()
@@ -376,7 +374,7 @@ def test_prompts_the_sampler_does_not_keep_get_no_credit(model_dir, tmp_path, mo
         seen["advantages"] = advantages
         return training_samples(trees, advantages, prune, leaf_weighted)
 
-    monkeypatch.setattr("diffusion_rl.trainer.training_samples", spy)
+    monkeypatch.setattr("diffusion_rl.branch_grpo.training_samples", spy)
     trainer.train_step(0)
     kept = [a for (t, _), a in seen["advantages"].items() if t == 0]
     dropped = [a for (t, _), a in seen["advantages"].items() if t == 1]
@@ -412,10 +410,8 @@ def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monke
         out = original(*args)
         return out._replace(log_prob=out.log_prob * float("nan")) if calls["n"] > 1 else out
 
-    monkeypatch.setattr("diffusion_rl.trainer.step_log_probs", poisoned)
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
+    monkeypatch.setattr("diffusion_rl.branch_grpo.step_log_probs", poisoned)
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
     with pytest.raises(TrainingStopped, match="2 steps in a row"):
         trainer.train()
     stopped = json.loads((tmp_path / "stopped.json").read_text())
@@ -428,10 +424,8 @@ def test_nan_log_probs_skip_then_stop_with_checkpoint(model_dir, tmp_path, monke
 def test_reward_server_down_mid_run_stops_cleanly(model_dir, tmp_path, monkeypatch):
     """A server that answered the check at the start and is down by the first step (one down at the
     start is refused before anything is written: tests/test_diffusion_faults.py)."""
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.check_reward_server", lambda *a, **k: None)
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    monkeypatch.setattr("diffusion_rl.trainer.check_reward_server", lambda *a, **k: None)
     code = main(
         [
             "train",
@@ -524,9 +518,7 @@ SHORT_RUN = [
 @pytest.fixture
 def unscored(monkeypatch):
     """Held-out evaluations replaced by a constant: these tests follow runs, not scores."""
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
 
 
 def final_weights(run_dir, name="final"):

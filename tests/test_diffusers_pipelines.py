@@ -18,10 +18,10 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.models import FlowPipeline, build_clip_tokenizer
 from diffusion_rl.sde import ddim_flow_step, flow_to_vp, initial_noise_std, ode_step
 from diffusion_rl.shapes import vocabulary
-from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, load_config
 

@@ -77,7 +77,7 @@ def test_tiny_grpo_update_raises_rewarded_answers(tmp_path, monkeypatch, recipe,
     assert_direction(delta, sign)
 
 
-# ----- BranchGRPO (diffusion_rl/trainer.py) -------------------------------------------------------
+# ----- BranchGRPO (diffusion_rl/branch_grpo.py) --------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def flow_dir(tmp_path_factory):
 
 
 def branch_trainer(recipe, flow_dir, run_dir, *overrides):
-    from diffusion_rl.trainer import BranchGRPOTrainer
+    from diffusion_rl.branch_grpo import BranchGRPOTrainer
 
     config = load_config(
         recipe,
@@ -129,7 +129,7 @@ def test_branch_grpo_update_raises_the_rewarded_subtree(flow_dir, tmp_path, monk
     """Leaves under the root's first child score 1, the others 0: every node in the first subtree has
     the higher fused reward at its depth, every node in the second the lower; with flat credit
     (`grpo`) every edge in the first subtree carries its leaves' positive advantage."""
-    from diffusion_rl import trainer as module
+    from diffusion_rl import branch_grpo as module
 
     trainer = branch_trainer(
         "diffusion/branchgrpo", flow_dir, tmp_path, "train.lr=1e-3", f"train.advantage={advantage}"
@@ -169,7 +169,7 @@ def test_branch_grpo_update_raises_the_rewarded_subtree(flow_dir, tmp_path, monk
 def test_fp4_exploration_keeps_exactly_the_best_and_the_worst_leaves(flow_dir, tmp_path, monkeypatch):
     """27 exploration leaves per prompt with distinct rewards; keep = 4 must replay the best 2 and the
     worst 2 (the top 4 would be a different set)."""
-    from diffusion_rl import trainer as module
+    from diffusion_rl import branch_grpo as module
 
     trainer = branch_trainer(
         "diffusion/branchgrpo_fp4", flow_dir, tmp_path, "explore.branch_factor=3", "explore.keep=4"
@@ -207,7 +207,7 @@ def test_fp4_exploration_keeps_exactly_the_best_and_the_worst_leaves(flow_dir, t
         assert {full.nodes[leaf].state["key"] for leaf in full.leaves()} == expected
 
 
-# ----- DiffusionNFT (diffusion_rl/nft_trainer.py) --------------------------------------------------
+# ----- DiffusionNFT (diffusion_rl/nft.py) --------------------------------------------------------
 
 
 @pytest.mark.parametrize("reversed_rewards", [False, True])
@@ -217,7 +217,7 @@ def test_diffusion_nft_update_pulls_the_model_towards_rewarded_samples(
     """The first half of every group scores 1, the second 0 (or the reverse): after one update the
     model's clean-sample error x_t - t v - x0 at the noised samples it trained on falls for the rewarded
     samples and rises for the others."""
-    from diffusion_rl import nft_trainer as module
+    from diffusion_rl import nft as module
 
     config = load_config(
         "diffusion/nft",

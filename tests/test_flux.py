@@ -368,7 +368,7 @@ def test_flux_pipelines_we_cannot_run_are_refused(tmp_path):
 def test_nft_trains_a_guidance_distilled_model_at_the_guidance_it_sampled_with(flux_dirs, tmp_path):
     """FLUX.1-dev's guidance is an input, not classifier-free guidance: the NFT update's velocity is the
     one the rollouts sampled with (embedded guidance 3.5); a schnell-style model trains unguided."""
-    from diffusion_rl.nft_trainer import DiffusionNFTTrainer
+    from diffusion_rl.nft import DiffusionNFTTrainer
 
     for name, expected_guidance in (("dev", 3.5), ("schnell", 1.0)):
         config = load_config(

@@ -14,15 +14,8 @@ import torch.nn.functional as F
 from PIL import Image
 from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
-from diffusion_rl.rewards import (
-    CLIP_MEAN,
-    CLIP_STD,
-    DEFAULT_REWARD_SERVER_URL,
-    AestheticHead,
-    RewardServerError,
-    as_image_list,
-    clip_preprocess,
-)
+from diffusion_rl.reward_server import DEFAULT_REWARD_SERVER_URL, RewardServerError
+from diffusion_rl.rewards import CLIP_MEAN, CLIP_STD, AestheticHead, as_image_list, clip_preprocess
 from mmrl.registry import REWARDS
 
 WORDS = ["a", "photo", "of", "cat", "dog", "red", "blue", "car", "on", "the", "grass"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.models import LORA_FILE, FlowPipeline
 from diffusion_rl.shapes import vocabulary
-from diffusion_rl.trainer import BranchGRPOTrainer
 from mmrl.cli import load_plugins
 from mmrl.config import REPO_ROOT, ConfigError, load_config
 from tests.test_diffusers_pipelines import save_sd1, save_sd3

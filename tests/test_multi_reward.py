@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion_rl.alignment import load_scorer, strict_checks
+from diffusion_rl.alignment import load_scorer
+from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.models import FlowPipeline
@@ -24,7 +25,7 @@ from diffusion_rl.shapes import (
     scene_for_spec,
     vocabulary,
 )
-from diffusion_rl.trainer import BranchGRPOTrainer
+from diffusion_rl.shapes_strict import strict_checks
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, build, load_config, to_dict
 from mmrl.registry import REWARDS
@@ -181,9 +182,7 @@ def test_one_reward_is_scored_as_before_and_logs_no_terms(model_dir, tmp_path):
 
 
 def test_each_terms_mean_is_logged_every_step_and_the_total_is_trained(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
     trainer = trainer_for(model_dir, tmp_path, *WITH_TERMS, "steps=2", "checkpoint_every=2", setup=False)
     trainer.train()
     rows = rows_of(tmp_path)
@@ -401,7 +400,7 @@ class ScriptedEvaluation:
 
 def train_with_gold_reward(model_dir, tmp_path, monkeypatch, evaluation) -> None:
     """Two steps with a gold reward, evaluated before, after step 1 and after by `evaluation`."""
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", evaluation)
     trainer = trainer_for(
         model_dir,
         tmp_path,
@@ -472,7 +471,7 @@ def test_without_a_gold_reward_evaluation_and_eval_json_are_as_before(model_dir,
         calls.append(kwargs)
         return {"heldout_alignment": 0.5}
 
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", evaluation)
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", evaluation)
     trainer = trainer_for(
         model_dir, tmp_path, "eval.gold_reward=null", "steps=1", "checkpoint_every=1", setup=False
     )

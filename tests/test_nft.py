@@ -8,7 +8,7 @@ import torch
 
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.nft_trainer import DiffusionNFTTrainer, old_policy_decay
+from diffusion_rl.nft import DiffusionNFTTrainer, old_policy_decay
 from diffusion_rl.shapes import train_prompts, vocabulary
 from mmrl.cli import load_plugins
 from mmrl.config import ConfigError, load_config
@@ -89,7 +89,7 @@ def test_an_evaluation_at_another_guidance_than_the_rollouts_is_warned(
 def test_samples_come_from_the_old_policy(model_dir, tmp_path, monkeypatch):
     """With the old policy away from the trained weights, a step samples with the old policy's weights,
     and the trained weights are back in place for the update."""
-    from diffusion_rl import nft_trainer as module
+    from diffusion_rl import nft as module
 
     trainer = trainer_for(model_dir, tmp_path)
     with torch.no_grad():
@@ -148,7 +148,8 @@ def test_nft_defaults_are_diffusionnfts():
     the per-prompt stat tracker with global std, timestep_fraction 0.99 of the sampler's steps)."""
     import numpy as np
 
-    from diffusion_rl.nft_config import DiffusionNFTConfig, noise_levels_per_sample
+    from diffusion_rl.config import DiffusionNFTConfig
+    from diffusion_rl.nft import noise_levels_per_sample
     from mmrl.registry import ADVANTAGES
 
     cfg = DiffusionNFTConfig()
@@ -224,7 +225,7 @@ def test_groups_the_sampler_drops_are_not_trained(model_dir, tmp_path, monkeypat
 
 
 def test_non_finite_loss_skips_then_stops_with_checkpoint(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: NO_EVAL)
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: NO_EVAL)
     trainer = trainer_for(
         model_dir, tmp_path, "steps=10", "train.nan_patience=2", "checkpoint_every=1", setup=False
     )
@@ -245,7 +246,7 @@ def test_non_finite_loss_skips_then_stops_with_checkpoint(model_dir, tmp_path, m
 
 
 def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: NO_EVAL)
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: NO_EVAL)
     common = [
         "train.minibatches=2",
         "train.ema_decay=0.5",
@@ -306,7 +307,7 @@ def test_sol_rl_replays_the_kept_seeds_exactly_in_full_precision(model_dir, tmp_
     """The pool runs 2 low-precision steps on 8 candidates per prompt; the replay regenerates the kept
     4 with 4 full-precision steps, each the fresh full-precision sample of its seed alone (bit for bit
     with rollout.call_rows), and far from its pool sample."""
-    from diffusion_rl import nft_trainer as module
+    from diffusion_rl import nft as module
     from diffusion_rl.branch_rollout import ancestors
 
     trainer = sol_rl(model_dir, tmp_path, f"rollout.call_rows={'null' if call_rows is None else call_rows}")
@@ -344,7 +345,7 @@ def test_sol_rl_replays_the_kept_seeds_exactly_in_full_precision(model_dir, tmp_
 def test_sol_rl_keeps_the_best_and_the_worst_of_the_pool(model_dir, tmp_path, monkeypatch):
     """Pool rewards rise with the candidate's key: the replay must hold keys 1, 2 (worst) and 7, 8
     (best) of every prompt, not the top 4."""
-    from diffusion_rl import nft_trainer as module
+    from diffusion_rl import nft as module
 
     trainer = sol_rl(model_dir, tmp_path)
     replays = []

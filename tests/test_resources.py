@@ -234,14 +234,14 @@ def setup_time_check(config):
         model = Qwen2Config(hidden_size=config.model.hidden_size, num_hidden_layers=config.model.layers)
         check_rollout_size(config, model, PROCESSES, CPU)
     elif config.trainer == "branch_grpo":
+        from diffusion_rl.branch_grpo import check_rollout_size
         from diffusion_rl.inputs import load_prompts
-        from diffusion_rl.trainer import check_rollout_size
 
         pipe = shipped_pipeline(config.model.path)
         check_rollout_size(config, pipe, len(load_prompts(config.prompt_file)), PROCESSES, CPU)
     elif config.trainer == "diffusion_nft":
         from diffusion_rl.inputs import load_prompts
-        from diffusion_rl.nft_config import check_nft_size
+        from diffusion_rl.nft import check_nft_size
 
         pipe = shipped_pipeline(config.model.path)
         check_nft_size(config, pipe, len(load_prompts(config.prompt_file)), PROCESSES, CPU)

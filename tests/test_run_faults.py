@@ -350,9 +350,7 @@ def test_a_full_disk_while_saving_a_diffusion_result_leaves_no_half_written_fina
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(directory) / "denoiser"))
 
     monkeypatch.setattr(FlowPipeline, "save_pretrained", fills_the_disk)
-    monkeypatch.setattr(
-        "diffusion_rl.diffusion_trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0}
-    )
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
     run_dir = tmp_path / "run"
     argv = ["train", "diffusion/flat_grpo", f"model.path={model}", f"output_dir={run_dir}", "steps=1"]
     argv += ["progress=false", "rollout.prompts_per_step=1", "rollout.steps=4", "rollout.branch_factor=2"]

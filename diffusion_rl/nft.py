@@ -29,6 +29,7 @@ Every draw is keyed by (seed, step, ...), so a resumed run repeats exactly.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import replace
@@ -37,16 +38,23 @@ from typing import Any
 import torch
 
 from diffusion_rl.branch_rollout import TreePlan, rollout_trees
-from diffusion_rl.config import RolloutConfig
-from diffusion_rl.diffusion_trainer import DiffusionTrainer, split_evenly, update_summary
-from diffusion_rl.models import Conditioning
-from diffusion_rl.nft_config import DiffusionNFTConfig, check_nft_size, noise_levels_per_sample
+from diffusion_rl.config import DiffusionNFTConfig, RolloutConfig
+from diffusion_rl.inputs import check_prompt_count
+from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.quantized_exploration import KeptLeaves, keep_for_replay, rank_agreement
 from diffusion_rl.sampling import save_grid
+from diffusion_rl.trainer import (
+    FORWARD_LATENTS,
+    TRAINING_LATENTS,
+    DiffusionTrainer,
+    split_evenly,
+    update_summary,
+)
 from mmrl.losses import nft_optimality
 from mmrl.noise import NoiseKey, keyed_rand_batch, keyed_randn_batch
 from mmrl.precision import explore_precision
 from mmrl.registry import ADVANTAGES, LOSSES, TRAINERS
+from mmrl.resources import check_memory
 
 TRAIN_STREAM = 1 << 32  # streams of the update's noise: above any denoising step index of a rollout
 
@@ -55,6 +63,40 @@ def old_policy_decay(optimizer_steps: int, start: int, rate: float, maximum: flo
     """The EMA decay of the old policy once `optimizer_steps` updates have been taken: 0 (old =
     trained) before `start`, then growing by `rate` per optimizer step up to `maximum`."""
     return 0.0 if optimizer_steps < start else min((optimizer_steps - start) * rate, maximum)
+
+
+def noise_levels_per_sample(cfg: DiffusionNFTConfig) -> int:
+    """How many noise levels each clean sample is trained at per update: `train.timesteps_per_sample`,
+    or DiffusionNFT's int(0.99 x rollout.steps) of the sampler's levels (at least one)."""
+    levels = cfg.train.timesteps_per_sample
+    return levels if levels is not None else max(1, int(0.99 * cfg.rollout.steps))
+
+
+def check_nft_size(
+    cfg: DiffusionNFTConfig, pipe: FlowPipeline, prompts: int, processes: int, device: torch.device
+) -> None:
+    """Refuse a step that would draw a prompt twice or that cannot fit on `device`: a step samples
+    every group at once (twice the rows with guidance) and keeps its clean latents and their noised
+    copies; each update runs `train.micro_batch` noised samples with gradients."""
+    r, t = cfg.rollout, cfg.train
+    check_prompt_count(cfg, prompts, processes)
+    latent = 4 * math.prod(pipe.latent_shape())
+    side = pipe.latent_shape()[-1] * pipe.vae_scale
+    rows = r.prompts_per_step * max(r.group_size, cfg.explore.pool if cfg.explore.enabled else 0)
+    guided = 2 if r.guidance_scale != 1.0 else 1
+    levels = noise_levels_per_sample(cfg)
+    kept = rows * (1 + 3 * levels)  # clean latents; noised latents, noise, old velocity
+    need = latent * (kept + guided * FORWARD_LATENTS * rows) + 4 * 3 * side**2 * rows
+    check_memory(
+        need + 2 * t.micro_batch * TRAINING_LATENTS * latent,
+        f"a step of {r.prompts_per_step} prompts x {rows // r.prompts_per_step} samples of {side}x{side} px, "
+        f"{levels} noise levels each, and updates of {t.micro_batch} noised samples "
+        "(rollout.prompts_per_step x rollout.group_size or explore.pool, rollout.image_size, "
+        "train.micro_batch)",
+        ["rollout.prompts_per_step", "explore.pool" if cfg.explore.enabled else "rollout.group_size"]
+        + ["rollout.image_size", "train.micro_batch"],
+        device,
+    )
 
 
 @TRAINERS.register("diffusion_nft")
