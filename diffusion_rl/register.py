@@ -14,8 +14,8 @@ provide(
     "diffusion_rl.alignment",
     "diffusion_rl.shapes_strict",
     "diffusion_rl.replicas",
-    "diffusion_rl.bench",
-    "diffusion_rl.gradient_bench",
-    "diffusion_rl.gpu_bench",
+    "diffusion_rl.bench.method_cost",
+    "diffusion_rl.bench.gradient_signal",
+    "diffusion_rl.bench.real_models",
     "diffusion_rl.evaluate",
 )

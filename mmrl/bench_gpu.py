@@ -5,7 +5,7 @@ weights, which is all that speed and memory depend on. The families register the
 (`mmrl.registry.GPU_BENCH_SECTIONS`), which run side by side in one run:
 
 - ``denoiser``: an SD3.5-Medium and a FLUX.1-dev denoising step, bfloat16 against FP8 exploration
-  (target: FP8 at least 1.5x faster) (`diffusion_rl.gpu_bench`);
+  (target: FP8 at least 1.5x faster) (`diffusion_rl.bench.real_models`);
 - ``ranking``: the FP8 pool's reward ranking against bfloat16 on the same seeds (Kendall tau);
 - ``tree``: flat GRPO against BranchGRPO on SD3.5-Medium (seconds per iteration, peak memory), and
   the `--dry-run` memory plan against the measured peak (target: within 20%);

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from diffusion_rl.gradient_bench import (
+from diffusion_rl.bench.gradient_signal import (
     _draw,
     _load,
     _segment_bounds,

@@ -31,7 +31,7 @@ from diffusion_rl.models import FlowPipeline
 from diffusion_rl.nft import DiffusionNFTTrainer
 from diffusion_rl.shapes import vocabulary
 from diffusion_rl.trainer import DiffusionTrainer
-from mmrl.bench_all import check_counts
+from mmrl.bench_all import check_counts, print_table, ratio_rows
 from mmrl.config import load_config
 from mmrl.precision import explore_precision
 from mmrl.registry import BENCHES, TRAINERS
@@ -99,12 +99,6 @@ def _time_steps(trainers: dict[str, DiffusionTrainer], iterations: int) -> dict[
     }
 
 
-def _verdict(ratio: float, target: float | None) -> str:
-    if target is None:
-        return "-"
-    return ("PASS" if ratio <= target else "FAIL") + f" (<= {target:.2f}x)"
-
-
 @BENCHES.register("diffusion")
 def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
     check_counts(iterations=iterations)
@@ -129,33 +123,45 @@ def bench_diffusion(iterations: int = 5) -> list[dict[str, Any]]:
             ),
             "Sol-RL pool": _pool_timing(trainers["Sol-RL (NFT on 16 of 64)"], iterations),
         }
-    base = rows[0]
-    print(
-        f"{'variant':<26}{'NFE/prompt':>11}{'NFE ratio':>11}  {'verdict':<18}"
-        f"{'s/iter':>8}{'time ratio':>12}  verdict"
-    )
     for row in rows:
-        row["nfe_ratio"] = row["nfe"] / base["nfe"]
+        row["nfe_ratio"] = row["nfe"] / rows[0]["nfe"]
+    print_table(
+        f"mmrl bench diffusion: per iteration, median of {iterations}",
+        ["variant", "NFE/prompt", "low-precision NFE", "s/iter"],
+        [
+            [row["variant"], f"{row['nfe']:.0f}", f"{row['low_precision_nfe']:.0f}", f"{row['seconds']:.2f}"]
+            for row in rows
+        ],
+    )
+    explore_rows = [
+        {
+            "variant": f"{name} explore",
+            **pool,
+            "precision_ratio": pool["low"] / pool["full"],
+            "precision_target": None,
+        }
+        for name, pool in pools.items()
+    ]
+    print_table(
+        "rollout seconds per candidate, full against low precision",
+        ["variant", "device", "full", "precision", "low"],
+        [
+            [row["variant"], row["device"], f"{row['full']:.4f}", row["precision"], f"{row['low']:.4f}"]
+            for row in explore_rows
+        ],
+    )
+    if any(row["precision"].endswith("emulated") for row in explore_rows):
         print(
-            f"{row['variant']:<26}{row['nfe']:>11.0f}{row['nfe_ratio']:>10.3f}x  "
-            f"{_verdict(row['nfe_ratio'], row['nfe_target']):<18}"
-            f"{row['seconds']:>8.2f}{row['time_ratio']:>11.3f}x  "
-            f"{_verdict(row['time_ratio'], row['time_target'])}"
-            + (f"  (+{row['low_precision_nfe']:.0f} low-precision NFE)" if row["low_precision_nfe"] else "")
+            "emulated precisions quantise the weights once per pass and keep the matmuls in full "
+            "precision, so their ratio is the same work timed twice; real FP4 kernels need a GPU"
         )
-    for name, pool in pools.items():
-        print(
-            f"\n{name}, rollout seconds per candidate ({pool['device']}): full precision "
-            f"{pool['full']:.4f}, {pool['precision']} {pool['low']:.4f} -> ratio "
-            f"{pool['low'] / pool['full']:.2f}x"
-            + (
-                " (emulated: the weights are quantised once per pass and the matmuls stay in full "
-                "precision, so this ratio is the same work timed twice; real FP4 kernels need a GPU)"
-                if pool["precision"].endswith("emulated")
-                else ""
-            )
-        )
-        rows.append({"variant": f"{name} explore", **pool})
+    rows += explore_rows
+    ratios = ratio_rows("diffusion", rows)
+    print_table(
+        "ratios to flat GRPO (NFE, time) and to full precision (precision)",
+        ["row", "ratio", "target", "verdict"],
+        [[r["row"], f"{r['ratio']:.3f}x", r["target"] or "-", r["verdict"]] for r in ratios],
+    )
     return rows
 
 
