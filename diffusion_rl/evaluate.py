@@ -18,7 +18,7 @@ prompts) to ``OUTPUT_DIR/grid.png``.
 
     mmrl eval diffusion "models=[diffusion_rl/assets/tiny_flow,runs/diffusion/branchgrpo/final]" seeds=4
 
-A model is any directory `FlowPipeline.from_pretrained` reads: the project's layout, a diffusers
+A model is any directory `diffusion_rl.loading.load` reads: the project's layout, a diffusers
 pipeline, or a LoRA result (a run's ``final/`` trained with ``model.lora_rank > 0``), which is
 evaluated on the base model its ``mmrl_lora.json`` names (``base_resolved``, else ``base``), with the
 adapter merged in; to evaluate it on a base that has moved, write the new path as ``base`` there.
@@ -39,7 +39,7 @@ import torch
 
 from diffusion_rl.alignment import load_scorer
 from diffusion_rl.inputs import load_prompts
-from diffusion_rl.models import FlowPipeline, check_model_directory
+from diffusion_rl.loading import check_model_directory, load
 from diffusion_rl.reward_config import REWARD_KEYS, check_options, check_reward_name, reward_mapping
 from diffusion_rl.reward_terms import RewardFailed, build_reward, scored
 from diffusion_rl.sampling import sample_ode
@@ -283,7 +283,7 @@ def evaluate_models(cfg: DiffusionEvalConfig) -> dict[str, Any]:
     grids = []
     for i, (model, path) in enumerate(zip(cfg.models, paths, strict=True)):
         try:
-            pipe = FlowPipeline.from_pretrained(path)
+            pipe = load(path)
         except (ConfigError, FileNotFoundError) as err:  # weights that the checks cannot see without loading
             raise ConfigError(f"config error: models[{i}] = {model!r}: {err}") from None
         # image s of every prompt shares noise seed `seed + s` across models: the comparison is paired

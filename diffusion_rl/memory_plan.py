@@ -3,12 +3,13 @@
 The config is checked first as `mmrl train` checks it (`planned_prompts`, `check_gold_reward`, then
 `check_prompt_tokens` with the model's tokenizers), so that a plan is never made of a run that train
 would refuse (a missing prompt file is left out: a plan may be made where the data are not). The
-pipeline is built from its config files on the meta device (`FlowPipeline.from_configs`), with the LoRA
-adapter, the reference copy and the optimizer the trainer would make. Four phases are measured: the
-update (a forward and backward of `train.micro_batch` rows through the velocity the trainer trains,
-guidance included where it trains with it, then the optimizer step), a rollout step (one model call on
-every row a step evaluates at once, twice with classifier-free guidance), decoding every sample to
-pixels, and a held-out evaluation's chunk of prompts (a model call and decoding).
+pipeline is built from its config files on the meta device (`diffusion_rl.loading.load` with
+`weights=False`), with the LoRA adapter, the reference copy and the optimizer the trainer would make.
+Four phases are measured: the update (a forward and backward of `train.micro_batch` rows through the
+velocity the trainer trains, guidance included where it trains with it, then the optimizer step), a
+rollout step (one model call on every row a step evaluates at once, twice with classifier-free
+guidance), decoding every sample to pixels, and a held-out evaluation's chunk of prompts (a model call
+and decoding).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from diffusion_rl.inputs import (
     resolve_model_path,
     trainable_denoiser,
 )
+from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.quantized_exploration import exploration_plan
 from mmrl.config import ConfigError
@@ -97,7 +99,7 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     located = planned_prompts(config, processes)
     check_gold_reward(config)
     with torch.device("meta"):
-        pipe = FlowPipeline.from_configs(resolve_model_path(config.model.path))
+        pipe = load(resolve_model_path(config.model.path), weights=False)
         pipe.set_frozen_dtype(getattr(torch, config.model.frozen_dtype))
         pipe.call_rows = r.call_rows  # a step's rows in calls of this many: the plan measures those calls
         if r.image_size is not None:

@@ -18,19 +18,16 @@ sigma from 1 (noise) to 0 (data). Three families plug in:
   scheduler's own timesteps and ends at sigma = 0 (a clean x0, as DDIM with set_alpha_to_one).
 
 The trainer needs `encode_prompts`, `velocity` (with classifier-free guidance), `sigmas`, `decode`
-and the trainable `denoiser`. Two storage layouts are read by `from_pretrained`: the project's own
-(the tiny pixel-space default: ``transformer/``, ``text_encoder/``, ``tokenizer/``, optionally
-``vae/``, and ``mmrl_pipeline.json``) and any local diffusers pipeline directory
-(``model_index.json``: StableDiffusion3Pipeline, FluxPipeline or StableDiffusionPipeline), whose own
-``encode_prompt`` builds the conditioning. Everything is stored as safetensors.
+and the trainable `denoiser`. `save_pretrained` writes the project's own layout (the tiny pixel-space
+default: ``transformer/``, ``text_encoder/``, ``tokenizer/``, optionally ``vae/``, and
+``mmrl_pipeline.json``), or for a loaded diffusers pipeline its own layout, whose ``encode_prompt``
+builds the conditioning. Everything is stored as safetensors.
 
-A LoRA result (``save_lora_weights``; a run's ``final/`` with ``model.lora_rank > 0``) is a third
-kind of directory: ``pytorch_lora_weights.safetensors`` in diffusers' format, with the adapter's
-config (rank, alpha, targets) in the file's ``lora_adapter_metadata`` so that plain diffusers'
-``load_lora_weights`` applies it at the trained strength, and ``mmrl_lora.json`` naming the base
-model (``base`` as given, ``base_resolved`` as an absolute path). `from_pretrained` loads the base
-and merges the adapter into it. `check_model_directory` checks any of the three kinds, a LoRA
-result's base included, without loading weights.
+A LoRA result (``save_lora_weights``; a run's ``final/`` with ``model.lora_rank > 0``) is
+``pytorch_lora_weights.safetensors`` in diffusers' format, with the adapter's config (rank, alpha,
+targets) in the file's ``lora_adapter_metadata`` so that plain diffusers' ``load_lora_weights``
+applies it at the trained strength, and ``mmrl_lora.json`` naming the base model (``base`` as given,
+``base_resolved`` as an absolute path). `diffusion_rl.loading.load` reads every kind of directory.
 """
 
 from __future__ import annotations
@@ -45,11 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
-from safetensors import SafetensorError, safe_open
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Tokenizer
 
 from diffusion_rl.sde import flow_to_vp, shifted_sigmas
-from mmrl.config import ConfigError, describe_saved_model, read_json_object, shipped_path
 
 PIPELINE_FILE = "mmrl_pipeline.json"
 LORA_FILE = "mmrl_lora.json"  # a LoRA result's record of its base model
@@ -63,33 +58,11 @@ VP_PREDICTIONS = ("epsilon", "v_prediction", "sample")
 MIN_SIGMA_DIVISOR = 0.05  # v = (x - x0) / max(sigma, this): bounded near sigma = 0
 MIN_SQRT_ALPHA_BAR = 1e-4
 SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>"]
-DENOISERS = {"transformer": SD3Transformer2DModel, "unet": UNet2DConditionModel}  # folder -> class
-# what transformers, diffusers and safetensors raise for a file that is missing, malformed or of another model
-LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
-REMAKE = (
-    "give a directory written by FlowPipeline.save_pretrained (e.g. `mmrl pretrain diffusion`), a "
-    "diffusers pipeline directory or a LoRA result (a run's final/)"
-)
 
 
-SUPPORTED_PIPELINES = (
-    "FlowPipeline takes SD3-style pipelines (SD3Transformer2DModel, two or three text encoders), "
-    "FLUX.1-style text-to-image pipelines (FluxTransformer2DModel, CLIP and T5 text encoders, VAE) and "
-    "SD1.x-style pipelines (UNet2DConditionModel, CLIP text encoder, DDPM/DDIM-type scheduler)"
-)
-# what a FLUX pipeline needs besides its transformer: pooled CLIP and sequence T5 embeddings, a VAE
-FLUX_PARTS = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 WORD_START = "\u2581"  # SentencePiece's mark before every word, as T5 tokenizers write it
 FLUX_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default (and limit) for the T5 prompt tokens
 SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.encode_prompt's default for the T5 prompt tokens
-PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # weight files that torch.load would unpickle
-# FlowMatchEulerDiscreteScheduler options that move the first sigma off 1; our steps start from noise
-FLUX_UNSUPPORTED_SCHEDULE = (
-    "use_karras_sigmas",
-    "use_exponential_sigmas",
-    "use_beta_sigmas",
-    "invert_sigmas",
-)
 
 
 def one_line(err: BaseException) -> str:
@@ -236,7 +209,7 @@ class FlowPipeline:
         self.prediction = prediction
         self.scheduler = scheduler
         self.diffusers_pipeline = diffusers_pipeline
-        self.source: Path | None = None  # the directory `from_pretrained` read, which a LoRA result names
+        self.source: Path | None = None  # the directory `loading.load` read, which a LoRA result names
         self.prompt_cache: dict[str, Conditioning] | None = None  # `cache_prompts`
         self.call_rows: int | None = None  # `_in_fixed_rows`
         for frozen in (text_encoder, vae):
@@ -342,7 +315,7 @@ class FlowPipeline:
         from peft.utils import get_peft_model_state_dict
 
         if self.source is None:
-            raise ValueError("save_lora_weights needs a pipeline read by from_pretrained: its base directory")
+            raise ValueError("save_lora_weights needs a pipeline read by loading.load: its base directory")
         config = denoiser.peft_config["default"].to_dict()
         layers = get_peft_model_state_dict(denoiser)
         if self.is_unet:
@@ -377,193 +350,6 @@ class FlowPipeline:
             "lora_alpha": config["lora_alpha"],
         }
         (Path(directory) / LORA_FILE).write_text(json.dumps(record, indent=1))
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path) -> FlowPipeline:
-        """Load a directory written by `save_pretrained`, a local diffusers pipeline directory or a LoRA
-        result (its base with the adapter merged in).
-
-        A directory of another kind, or one whose files are missing, malformed or of another model,
-        is a ConfigError (or FileNotFoundError) that says what was found and what is expected."""
-        directory = Path(directory)
-        loaders = {"own": cls.from_own_layout, "diffusers": cls.from_diffusers, "lora": cls.from_lora_result}
-        pipe = loaders[directory_kind(directory)](directory)
-        pipe.source = directory
-        return pipe
-
-    @classmethod
-    def from_lora_result(cls, directory: Path) -> FlowPipeline:
-        """A LoRA result's base with the adapter merged into the denoiser's weights. The adapter is read
-        as plain diffusers reads it (`load_lora_adapter`: rank and alpha from the safetensors metadata)."""
-        base, folder = check_lora_result(directory)
-        pipe = cls.from_pretrained(base)
-        try:
-            pipe.denoiser.load_lora_adapter(
-                directory,
-                prefix=folder,
-                weight_name=LORA_WEIGHTS,
-                adapter_name="result",
-                local_files_only=True,
-            )
-        except LOAD_ERRORS as err:
-            raise ConfigError(
-                f"{str(directory)!r}: the LoRA weights do not fit the base model {str(base)!r} "
-                f'({one_line(err)}): write the model they were trained on as "base" in {LORA_FILE}'
-            ) from None
-        pipe.denoiser.fuse_lora()
-        pipe.denoiser.unload_lora()
-        return pipe
-
-    @classmethod
-    def from_own_layout(cls, directory: Path) -> FlowPipeline:
-        """The project's layout: one folder per component and the settings in PIPELINE_FILE."""
-        settings, folder = check_own_layout(directory)
-        denoiser_class = DENOISERS[folder]
-        try:
-            vae = None
-            if settings.get("vae"):
-                from diffusers import AutoencoderKL
-
-                vae = AutoencoderKL.from_pretrained(
-                    directory / "vae", local_files_only=True, use_safetensors=True
-                )
-            denoiser = denoiser_class.from_pretrained(
-                directory / folder, local_files_only=True, use_safetensors=True
-            )
-            text_encoder, info = CLIPTextModelWithProjection.from_pretrained(
-                directory / "text_encoder",
-                local_files_only=True,
-                use_safetensors=True,
-                output_loading_info=True,
-            )
-            tokenizer = CLIPTokenizer.from_pretrained(directory / "tokenizer", local_files_only=True)
-        except LOAD_ERRORS as err:
-            raise ConfigError(
-                f"{str(directory)!r}: the pipeline does not load ({one_line(err)}): {REMAKE}"
-            ) from None
-        if info["missing_keys"]:  # transformers would start them at random
-            raise ConfigError(
-                f"{str(directory / 'text_encoder')!r}: the weights lack {len(info['missing_keys'])} of the "
-                f"CLIP text encoder's tensors (e.g. {sorted(info['missing_keys'])[0]!r}): {REMAKE}"
-            )
-        try:
-            return cls(
-                denoiser,
-                text_encoder,
-                tokenizer,
-                vae=vae,
-                shift=settings.get("shift", 1.0),
-                prediction=settings.get("prediction", "velocity"),
-            )
-        except ValueError as err:
-            raise ConfigError(f"{str(directory / PIPELINE_FILE)!r}: {err}") from None
-
-    @classmethod
-    def from_configs(cls, directory: str | Path) -> FlowPipeline:
-        """The pipeline of `directory` built from its config files alone, every network with random
-        weights in the current default device: under ``torch.device("meta")``, a real model for a memory
-        plan without reading its weights or allocating them. A LoRA result gives its base."""
-        from diffusers import AutoencoderKL
-
-        directory = Path(directory)
-        kind = directory_kind(directory)
-        if kind == "lora":
-            return cls.from_configs(check_lora_result(directory)[0])
-        if kind == "diffusers":
-            index, _ = check_diffusers_layout(directory)
-            return cls.wrap_diffusers(directory, empty_diffusers_pipeline(directory, index))
-        settings, folder = check_own_layout(directory)
-        denoiser_class = DENOISERS[folder]
-        vae = None
-        if settings.get("vae"):
-            vae = AutoencoderKL.from_config(AutoencoderKL.load_config(directory / "vae"))
-        return cls(
-            denoiser_class.from_config(denoiser_class.load_config(directory / folder)),
-            CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(directory / "text_encoder")),
-            CLIPTokenizer.from_pretrained(directory / "tokenizer", local_files_only=True),
-            vae=vae,
-            shift=settings.get("shift", 1.0),
-            prediction=settings.get("prediction", "velocity"),
-        )
-
-    @classmethod
-    def from_diffusers(cls, directory: str | Path) -> FlowPipeline:
-        """A local diffusers pipeline with a flow transformer (SD3 style) or a DDPM/DDIM UNet (SD1.x)."""
-        from diffusers import DiffusionPipeline
-
-        index, _ = check_diffusers_layout(Path(directory))
-        name = index["_class_name"]
-        # components saved as [null, null] (e.g. SD3 without its T5 encoder) are passed as None
-        absent = {part: None for part, entry in index.items() if entry == [None, None]}
-        try:
-            pipeline = DiffusionPipeline.from_pretrained(
-                directory, use_safetensors=True, local_files_only=True, **absent
-            )
-        except LOAD_ERRORS as err:
-            raise ConfigError(f"{directory}: the diffusers {name} does not load ({one_line(err)})") from None
-        return cls.wrap_diffusers(directory, pipeline)
-
-    @classmethod
-    def wrap_diffusers(cls, directory: str | Path, pipeline: Any) -> FlowPipeline:
-        """A loaded (or empty, `from_configs`) diffusers pipeline of `directory` as a FlowPipeline."""
-        name = type(pipeline).__name__
-        scheduler = pipeline.scheduler
-        if isinstance(getattr(pipeline, "transformer", None), FluxTransformer2DModel):
-            return cls.from_flux(Path(directory), pipeline)
-        if isinstance(getattr(pipeline, "transformer", None), SD3Transformer2DModel) and hasattr(
-            pipeline, "text_encoder_2"
-        ):
-            if hasattr(scheduler, "alphas_cumprod"):
-                raise ConfigError(
-                    f"{directory}: a flow transformer with a DDPM-type scheduler is not supported"
-                )
-            return cls(
-                pipeline.transformer,
-                vae=pipeline.vae,
-                shift=float(scheduler.config.get("shift", 1.0)),
-                diffusers_pipeline=pipeline,
-            )
-        if isinstance(getattr(pipeline, "unet", None), UNet2DConditionModel) and hasattr(
-            pipeline, "text_encoder"
-        ):
-            if not hasattr(scheduler, "alphas_cumprod"):
-                raise ConfigError(
-                    f"{directory}: the UNet's scheduler {type(scheduler).__name__} has no alphas_cumprod; "
-                    "use a DDPM/DDIM-type scheduler"
-                )
-            return cls(
-                pipeline.unet,
-                vae=pipeline.vae,
-                prediction=scheduler.config.prediction_type,
-                scheduler=scheduler,
-                diffusers_pipeline=pipeline,
-            )
-        raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
-
-    @classmethod
-    def from_flux(cls, directory: Path, pipeline: Any) -> FlowPipeline:
-        """A loaded diffusers FLUX pipeline, once its scheduler is a flow scheduler starting at sigma 1."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        scheduler = pipeline.scheduler
-        if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-            raise ConfigError(
-                f"{directory}: the FLUX pipeline's scheduler is a {type(scheduler).__name__}; FlowPipeline "
-                "drives FLUX with FlowMatchEulerDiscreteScheduler's sigmas (FluxPipeline's own scheduler)"
-            )
-        options = [name for name in FLUX_UNSUPPORTED_SCHEDULE if scheduler.config.get(name)]
-        if options:
-            raise ConfigError(
-                f"{directory}: the FLUX scheduler sets {', '.join(options)}, whose sigmas do not start at 1 "
-                "(pure noise), where every sampler here starts: set them to false in scheduler_config.json"
-            )
-        return cls(
-            pipeline.transformer,
-            vae=pipeline.vae,
-            shift=float(scheduler.config.get("shift", 1.0)),
-            scheduler=scheduler,
-            diffusers_pipeline=pipeline,
-        )
 
     def to(self, device: torch.device | str) -> FlowPipeline:
         if self.diffusers_pipeline is not None:
@@ -947,245 +733,3 @@ class FlowPipeline:
             latents = self.vae.encode(x.to(self.vae.dtype)).latent_dist.sample()
             x = (latents - (self.vae.config.shift_factor or 0.0)) * self.vae.config.scaling_factor
         return x
-
-
-# -- what a model directory holds, checked without loading weights ---------------------------------
-
-
-def directory_kind(directory: Path) -> str:
-    """'own' (PIPELINE_FILE), 'diffusers' (model_index.json) or 'lora' (a LoRA result); anything else
-    is a ConfigError or FileNotFoundError naming what was found."""
-    if (directory / PIPELINE_FILE).is_file():
-        return "own"
-    if (directory / "model_index.json").is_file():
-        return "diffusers"
-    if (directory / LORA_FILE).is_file() or (directory / LORA_WEIGHTS).is_file():
-        return "lora"
-    if (directory / "config.json").is_file():
-        found = read_json_object(directory / "config.json", REMAKE)
-        raise ConfigError(
-            f"{str(directory)!r} holds {describe_saved_model(found)}, not a text-to-image pipeline (no "
-            f"{PIPELINE_FILE}, model_index.json or {LORA_FILE}): {REMAKE}"
-        )
-    raise FileNotFoundError(
-        f"{str(directory)!r} is not a model directory (no {PIPELINE_FILE}, model_index.json or {LORA_FILE}): "
-        f"{REMAKE}"
-    )
-
-
-def check_model_directory(directory: str | Path, _seen: frozenset[Path] = frozenset()) -> str:
-    """Check that `FlowPipeline.from_pretrained` can read `directory`, without loading any weights: its
-    kind, its configs and, for a LoRA result, its base (checked the same way), so that a list of models
-    fails on a bad entry before any work. Returns the denoiser folder, "unet" or "transformer"."""
-    directory = Path(directory)
-    kind = directory_kind(directory)
-    if kind == "own":
-        return check_own_layout(directory)[1]
-    if kind == "diffusers":
-        return check_diffusers_layout(directory)[1]
-    return check_lora_result(directory, _seen)[1]
-
-
-def check_safetensors(folder: Path) -> None:
-    """Refuse a component folder whose weights are pickle files only (``*.bin``, ``*.pt``, ...): loading
-    one runs pickle, which can execute any code, so weights are read from safetensors files only."""
-    if any(folder.glob("*.safetensors")):
-        return
-    pickles = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_WEIGHTS)
-    if pickles:
-        raise ConfigError(
-            f"{str(folder)!r} holds its weights as pickle ({', '.join(pickles)}) and no .safetensors file; "
-            "weights are loaded from safetensors only, as a pickle file can run code: convert them (load "
-            "the model once with from_pretrained where you trust the file, and write it back with "
-            "save_pretrained(..., safe_serialization=True))"
-        )
-
-
-def check_own_layout(directory: Path) -> tuple[dict[str, Any], str]:
-    """PIPELINE_FILE's settings and the denoiser folder, once every folder they name is there and the
-    denoiser's config names the class PIPELINE_FILE expects."""
-    settings = read_json_object(directory / PIPELINE_FILE, REMAKE)
-    folder = settings.get("denoiser", "transformer")
-    if folder not in DENOISERS:
-        raise ConfigError(
-            f"{str(directory / PIPELINE_FILE)!r} names denoiser {folder!r}; expected one of "
-            f"{', '.join(DENOISERS)}: {REMAKE}"
-        )
-    parts = [folder, "text_encoder", "tokenizer", *(["vae"] if settings.get("vae") else [])]
-    missing = [part for part in parts if not (directory / part).is_dir()]
-    if missing:
-        raise FileNotFoundError(
-            f"{str(directory)!r} has {PIPELINE_FILE} but no {', '.join(missing)} folder: {REMAKE}"
-        )
-    for part in parts:
-        check_safetensors(directory / part)
-    expected = DENOISERS[folder].__name__
-    found = read_json_object(directory / folder / "config.json", REMAKE).get("_class_name")
-    if found != expected:
-        # checked before loading: diffusers would build a default-sized model from another config
-        raise ConfigError(
-            f"{str(directory / folder)!r} holds a {found!r}, but {PIPELINE_FILE} names a {expected} there: "
-            f"{REMAKE}"
-        )
-    return settings, folder
-
-
-def check_diffusers_layout(directory: Path) -> tuple[dict[str, Any], str]:
-    """A diffusers pipeline directory's model_index.json and denoiser folder, once the index names a
-    pipeline diffusers has, with the components FlowPipeline drives, and every folder it lists is there."""
-    import diffusers
-    from diffusers import DiffusionPipeline
-
-    index = read_json_object(directory / "model_index.json", REMAKE)
-    name = index.get("_class_name")
-    pipeline_class = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if not (isinstance(pipeline_class, type) and issubclass(pipeline_class, DiffusionPipeline)):
-        raise ConfigError(
-            f"{directory}: model_index.json names pipeline {name!r}, which diffusers does not have; "
-            f"{SUPPORTED_PIPELINES}"
-        )
-    # saved components are [library, class]; absent ones (SD3 without its T5 encoder) are [null, null]
-    classes = {
-        part: entry[1]
-        for part, entry in index.items()
-        if not part.startswith("_") and isinstance(entry, list) and len(entry) == 2 and None not in entry
-    }
-    missing = [part for part in classes if not (directory / part).is_dir()]
-    if missing:
-        raise FileNotFoundError(
-            f"{str(directory)!r}: model_index.json lists {', '.join(missing)}, but there is no such folder: "
-            "copy the whole pipeline directory"
-        )
-    for part in classes:
-        check_safetensors(directory / part)
-    if classes.get("transformer") == SD3Transformer2DModel.__name__ and "text_encoder_2" in index:
-        folder = "transformer"
-    elif classes.get("transformer") == FluxTransformer2DModel.__name__:
-        folder = "transformer"
-        check_flux_layout(directory, classes)
-    elif classes.get("unet") == UNet2DConditionModel.__name__ and "text_encoder" in index:
-        folder = "unet"
-    else:
-        raise ConfigError(f"{directory}: diffusers pipeline {name!r} is not supported; {SUPPORTED_PIPELINES}")
-    read_json_object(directory / folder / "config.json", REMAKE)
-    return index, folder
-
-
-def empty_diffusers_pipeline(directory: Path, index: dict[str, Any]) -> Any:
-    """The diffusers pipeline `index` (model_index.json) describes, its networks built from their
-    configs in the current default device, its schedulers and tokenizers read from `directory`."""
-    import diffusers
-    import transformers
-
-    parts: dict[str, Any] = {}
-    for part, entry in index.items():
-        if part.startswith("_") or not (isinstance(entry, list) and len(entry) == 2):
-            continue
-        library, class_name = entry
-        if library is None:
-            parts[part] = None
-            continue
-        component_class = getattr(diffusers if library == "diffusers" else transformers, class_name)
-        path = directory / part
-        try:
-            if issubclass(component_class, diffusers.ModelMixin):
-                parts[part] = component_class.from_config(component_class.load_config(path))
-            elif issubclass(component_class, transformers.PreTrainedModel):
-                parts[part] = component_class(
-                    transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-                )
-            else:  # schedulers, tokenizers: small files
-                parts[part] = component_class.from_pretrained(path, local_files_only=True)
-        except LOAD_ERRORS as err:
-            raise ConfigError(f"{path}: the {class_name} config does not load ({one_line(err)})") from None
-    return getattr(diffusers, index["_class_name"])(**parts)
-
-
-def check_flux_layout(directory: Path, classes: dict[str, str]) -> None:
-    """A FLUX pipeline FlowPipeline can run: every part of FLUX_PARTS saved (not null), and a
-    text-to-image transformer, whose input tokens are 2 x 2 patches of the VAE's latents and whose
-    output is their velocity (Fill and Control transformers take extra conditioning channels)."""
-    missing = [part for part in FLUX_PARTS if part not in classes]
-    if missing:
-        raise ConfigError(
-            f"{directory}: the FLUX pipeline has no {', '.join(missing)} (null in model_index.json); "
-            "FlowPipeline needs its VAE, its CLIP text encoder (pooled embedding), its T5 text encoder "
-            "(text_encoder_2, the sequence embeddings) with their tokenizers and its scheduler: save the "
-            "whole pipeline"
-        )
-    config = read_json_object(directory / "transformer" / "config.json", REMAKE)
-    latent = read_json_object(directory / "vae" / "config.json", REMAKE).get("latent_channels")
-    channels = config.get("in_channels", 64)
-    out = config.get("out_channels") or channels
-    fits = isinstance(latent, int) and (channels, out) == (4 * latent, channels)
-    if config.get("patch_size", 1) != 1 or not fits:
-        raise ConfigError(
-            f"{directory}: the FLUX transformer takes {channels} input and gives {out} output channels per "
-            f"token (patch size {config.get('patch_size', 1)}) for a VAE of {latent} latent channels; "
-            f"FlowPipeline runs text-to-image FLUX only (patch size 1, 4 x {latent} channels in and out), "
-            "not Fill, Control or other conditioned variants"
-        )
-
-
-def lora_base(directory: Path, record: dict[str, Any]) -> Path:
-    """The base model directory a LoRA result's record names: "base_resolved" (absolute) when it is
-    there, else "base" (relative to the working directory or the repository)."""
-    given = record.get("base")
-    if not isinstance(given, str) or not given:
-        raise ConfigError(
-            f'{str(directory / LORA_FILE)!r} has no "base" naming the model the adapter was trained on: '
-            'add it, e.g. {"base": "diffusion_rl/assets/tiny_flow"}'
-        )
-    resolved = record.get("base_resolved")
-    for candidate in [*([Path(resolved)] if isinstance(resolved, str) else []), shipped_path(given)]:
-        if candidate.is_dir():
-            return candidate
-    also = f" (nor {resolved!r})" if isinstance(resolved, str) else ""
-    raise ConfigError(
-        f"{str(directory)!r} is a LoRA result whose base model {given!r}{also} is not a directory: put the "
-        f'base model back there, or write where it is now as "base" in {LORA_FILE}'
-    )
-
-
-def check_lora_result(directory: Path, seen: frozenset[Path] = frozenset()) -> tuple[Path, str]:
-    """A LoRA result's base directory and denoiser folder, once its record, the header of its weights
-    and its base (checked like any model directory; `seen`: the LoRA results that led here) are in order."""
-    if not (directory / LORA_FILE).is_file():
-        raise ConfigError(
-            f"{str(directory)!r} holds LoRA weights ({LORA_WEIGHTS}) but no {LORA_FILE} naming their base "
-            'model: write one, e.g. {"base": "diffusion_rl/assets/tiny_flow"}'
-        )
-    record = read_json_object(
-        directory / LORA_FILE, 'it names the adapter\'s base model, e.g. {"base": "DIR"}'
-    )
-    base = lora_base(directory, record)
-    weights = directory / LORA_WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(
-            f"{str(directory)!r} has {LORA_FILE} but no {LORA_WEIGHTS}: the LoRA result is incomplete; "
-            "copy it whole or train again"
-        )
-    seen = seen | {directory.resolve()}
-    if base.resolve() in seen:
-        raise ConfigError(
-            f"{str(directory / LORA_FILE)!r} names base {str(base)!r}, which leads back to this LoRA result: "
-            "name the model the adapter was trained on"
-        )
-    try:
-        folder = check_model_directory(base, seen)
-    except (ConfigError, FileNotFoundError) as err:
-        raise ConfigError(f"{str(directory)!r} is a LoRA result whose base does not load: {err}") from None
-    try:
-        with safe_open(weights, "pt") as file:
-            keys = list(file.keys())
-    except (OSError, SafetensorError) as err:
-        raise ConfigError(
-            f"{str(weights)!r} is not a readable safetensors file ({one_line(err)}): copy the LoRA result "
-            "again or train again"
-        ) from None
-    if not any(key.startswith(f"{folder}.") for key in keys):
-        raise ConfigError(
-            f"{str(weights)!r} holds no LoRA weights for a {folder}, the denoiser of its base {str(base)!r}: "
-            f'write the model the adapter was trained on as "base" in {LORA_FILE}'
-        )
-    return base, folder

@@ -3,7 +3,7 @@
 A pixel-space SD3-architecture flow transformer learns, by flow matching, to draw the procedurally
 generated coloured-shape scenes of `diffusion_rl.shapes` from their prompts. Prompts are dropped
 10% of the time so classifier-free guidance works. An EMA of the weights is kept and is what gets
-saved (``OUTPUT_DIR/pipeline``, loadable with `FlowPipeline.from_pretrained`). Every random draw
+saved (``OUTPUT_DIR/pipeline``, loadable with `diffusion_rl.loading.load`). Every random draw
 of a step comes from a generator seeded by (seed, step), so resuming needs no extra state.
 """
 

@@ -358,7 +358,7 @@ def save_replica(
     device: str = "cpu",
 ) -> Path:
     """Write the replica of `name` with save_pretrained: a diffusers pipeline directory for the
-    text-to-image models (FlowPipeline.from_pretrained reads it as it reads the real one), a CLIPModel
+    text-to-image models (diffusion_rl.loading.load reads it as it reads the real one), a CLIPModel
     with its tokenizer and image processor for PickScore (the `pickscore` reward's model_path).
 
     `full`: the real model's sizes. `weights` (default: only for the tiny replica) writes random

@@ -38,7 +38,7 @@ from diffusion_rl.inputs import (
     resolve_model_path,
     trainable_denoiser,
 )
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.loading import load
 from diffusion_rl.reward_server import check_reward_server
 from diffusion_rl.reward_terms import (
     RewardFailed,
@@ -111,7 +111,7 @@ class DiffusionTrainer(Trainer):
         self.check_reward_servers()
         model_dir = resolve_model_path(cfg.model.path)
         try:
-            self.pipe = FlowPipeline.from_pretrained(model_dir)
+            self.pipe = load(model_dir)
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         self.pipe.to(self.accelerator.device)
@@ -470,7 +470,7 @@ class DiffusionTrainer(Trainer):
     def save_result(self) -> None:
         """The trained model (EMA weights when train.ema_decay > 0): a full pipeline (save_pretrained), or
         a LoRA result that plain diffusers loads at the trained strength with `pipe.load_lora_weights`
-        and that names its base model (model.path) for `FlowPipeline.from_pretrained`. It is written into
+        and that names its base model (model.path) for `diffusion_rl.loading.load`. It is written into
         a temporary sibling renamed into place, so a write that fails (a full disk) or is killed never
         leaves a half-written `final/`; a result there before stays until the new one replaces it."""
         import os

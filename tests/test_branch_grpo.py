@@ -14,6 +14,7 @@ from diffusion_rl.branch_rollout import (
     step_log_probs,
     training_samples,
 )
+from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.sde import sde_step, shifted_sigmas
 from diffusion_rl.shapes import vocabulary
@@ -280,7 +281,7 @@ def test_ema_weights_evaluate_and_are_saved_and_live_weights_survive(model_dir, 
     assert all(torch.equal(p, q) for p, q in zip(trainer.trained_params, live, strict=True))
     assert "ema" in trainer.trainer_state()
     trainer.save_result()
-    saved = FlowPipeline.from_pretrained(tmp_path / "final").denoiser.state_dict()
+    saved = load(tmp_path / "final").denoiser.state_dict()
     names = [n for n, p in trainer.pipe.denoiser.named_parameters() if p.requires_grad]
     for name, ema in zip(names, trainer.ema, strict=True):
         assert torch.equal(saved[name], ema)
@@ -522,7 +523,7 @@ def unscored(monkeypatch):
 
 
 def final_weights(run_dir, name="final"):
-    return FlowPipeline.from_pretrained(run_dir / name).denoiser.state_dict()
+    return load(run_dir / name).denoiser.state_dict()
 
 
 def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path, unscored):

@@ -19,6 +19,7 @@ from diffusers import (
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from diffusion_rl.branch_grpo import BranchGRPOTrainer
+from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline, build_clip_tokenizer
 from diffusion_rl.sde import ddim_flow_step, flow_to_vp, initial_noise_std, ode_step
 from diffusion_rl.shapes import vocabulary
@@ -136,7 +137,7 @@ def our_ode_sample(pipe: FlowPipeline, prompt: str, latents: torch.Tensor, steps
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_sd1_ddim_sampling_matches_diffusers(tmp_path, prediction_type):
     directory = save_sd1(tmp_path / "sd1", prediction_type)
-    pipe = FlowPipeline.from_pretrained(directory)
+    pipe = load(directory)
     assert pipe.is_vp and pipe.is_unet and pipe.prediction == prediction_type
     latents = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
     reference = StableDiffusionPipeline.from_pretrained(directory)
@@ -156,7 +157,7 @@ def test_sd1_ddim_sampling_matches_diffusers(tmp_path, prediction_type):
 
 def test_ddim_flow_step_matches_diffusers_ddim_with_noise(tmp_path):
     """The stochastic DDIM step in flow coordinates is diffusers' DDIMScheduler.step (eta = 1)."""
-    pipe = FlowPipeline.from_pretrained(save_sd1(tmp_path / "sd1"))
+    pipe = load(save_sd1(tmp_path / "sd1"))
     scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     scheduler.set_timesteps(5)
     sigmas = pipe.sigmas(5).double()
@@ -181,7 +182,7 @@ def test_ddim_flow_step_matches_diffusers_ddim_with_noise(tmp_path):
 
 def test_sd3_sampling_matches_diffusers(tmp_path):
     directory = save_sd3(tmp_path / "sd3")
-    pipe = FlowPipeline.from_pretrained(directory)
+    pipe = load(directory)
     assert not pipe.is_vp and not pipe.is_unet and pipe.shift == 3.0
     assert pipe.latent_shape() == (4, 16, 16)
     latents = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -204,9 +205,9 @@ def test_sd3_sampling_matches_diffusers(tmp_path):
 def test_unsupported_and_mismatched_pipeline_dirs_are_refused(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "Whatever"}')
     with pytest.raises(Exception, match="Whatever|model_index"):
-        FlowPipeline.from_pretrained(tmp_path)
+        load(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a model directory"):
-        FlowPipeline.from_pretrained(tmp_path / "missing")
+        load(tmp_path / "missing")
 
 
 def lora_run(tmp_path: Path, model_dir: Path, *extra: str) -> BranchGRPOTrainer:
@@ -251,7 +252,7 @@ def test_lora_result_loads_in_plain_diffusers(tmp_path, family):
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3))
     cond = trainer.pipe.encode_prompts(["a red circle", "a blue square"])
     sigma = torch.tensor([0.6, 0.3])
-    base = FlowPipeline.from_pretrained(model_dir).velocity(x, sigma, cond)
+    base = load(model_dir).velocity(x, sigma, cond)
     plain.load_lora_weights(tmp_path / "run" / "final")
     loaded = trainer.pipe.with_denoiser(denoiser).velocity(x, sigma, cond)
     trained = trainer.pipe.velocity(x, sigma, cond)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
 from mmrl.cli import load_plugins, main
 
@@ -35,7 +36,7 @@ def test_pretrain_saves_a_loadable_ema_pipeline(tmp_path, monkeypatch):
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
-    pipe = FlowPipeline.from_pretrained(tmp_path / "pipeline")
+    pipe = load(tmp_path / "pipeline")
     assert pipe.latent_shape() == (3, 16, 16)
     assert pipe.prediction == "velocity"  # the parameterisation it was trained with travels with it
     # the saved weights are the EMA, which moved off the initial weights but not all the way
@@ -100,7 +101,7 @@ def test_unet_backbone_pretrains_and_reloads(tmp_path, monkeypatch):
     overrides = ["steps=2", "checkpoint_every=2", "progress=false", "model.image_size=16"]
     overrides += ["model.backbone=unet", "model.unet_channels=[8,16]", "train.batch_size=4"]
     assert main(["pretrain", "diffusion", f"output_dir={tmp_path}", *overrides]) == 0
-    pipe = FlowPipeline.from_pretrained(tmp_path / "pipeline")
+    pipe = load(tmp_path / "pipeline")
     assert pipe.is_unet and not pipe.is_vp and pipe.latent_shape() == (3, 16, 16)
 
 
@@ -110,7 +111,7 @@ def test_shipped_tiny_flow_weights_draw_what_prompts_ask():
     from diffusion_rl.inputs import resolve_model_path
     from diffusion_rl.sampling import evaluate_alignment
 
-    pipe = FlowPipeline.from_pretrained(resolve_model_path("diffusion_rl/assets/tiny_flow"))
+    pipe = load(resolve_model_path("diffusion_rl/assets/tiny_flow"))
     assert pipe.is_unet and pipe.latent_shape() == (3, 32, 32)
     score = evaluate_alignment(pipe, num_prompts=16, steps=10, guidance_scale=3.0, seed=0)
     assert score["heldout_alignment"] > 0.05

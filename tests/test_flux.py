@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from diffusion_rl.inputs import LORA_TARGETS
+from diffusion_rl.loading import check_model_directory, load
 from diffusion_rl.models import (
     LORA_FILE,
     LORA_WEIGHTS,
     FlowPipeline,
     build_clip_tokenizer,
     build_t5_tokenizer,
-    check_model_directory,
     latent_image_ids,
     pack_latents,
     unpack_latents,
@@ -163,7 +163,7 @@ def test_tiny_t5_tokenizer_loads_offline_and_packing_is_fluxs(tmp_path):
 
 def test_flux_pipeline_loads_with_plain_latents_and_its_schedule(flux_dirs):
     for name, embedded in (("dev", True), ("schnell", False)):
-        pipe = FlowPipeline.from_pretrained(flux_dirs[name])
+        pipe = load(flux_dirs[name])
         assert pipe.is_flux and not pipe.is_vp and not pipe.is_unet and pipe.guidance_embedded == embedded
         assert pipe.denoiser_folder == check_model_directory(flux_dirs[name]) == "transformer"
         assert pipe.latent_shape() == (4, 128, 128)  # FluxPipeline's default: 128 latent cells a side
@@ -187,7 +187,7 @@ def test_flux_pipeline_loads_with_plain_latents_and_its_schedule(flux_dirs):
 def test_our_euler_sampling_matches_flux_pipeline(flux_dirs, name, size, guidance):
     """dev: guidance_scale is the embedded guidance; schnell: 1 is no guidance and another value
     classifier-free guidance against the empty prompt, FluxPipeline's true_cfg_scale."""
-    pipe = FlowPipeline.from_pretrained(flux_dirs[name])
+    pipe = load(flux_dirs[name])
     pipe.set_image_size(size)
     side = size // 2
     latents = torch.randn(1, 4, side, side, generator=torch.Generator().manual_seed(1))
@@ -226,12 +226,12 @@ def test_our_euler_sampling_matches_flux_pipeline(flux_dirs, name, size, guidanc
 def test_guidance_maps_to_the_embedding_or_to_cfg(flux_dirs):
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(2))
     sigma = torch.tensor([0.8, 0.4])
-    dev = FlowPipeline.from_pretrained(flux_dirs["dev"])
+    dev = load(flux_dirs["dev"])
     cond = dev.encode_prompts([PROMPT, PROMPT])
     with torch.no_grad():
         v1, v35 = dev.velocity(x, sigma, cond, 1.0), dev.velocity(x, sigma, cond, 3.5)  # no uncond needed
     assert v1.shape == x.shape and (v1 - v35).abs().max() > 1e-4
-    schnell = FlowPipeline.from_pretrained(flux_dirs["schnell"])
+    schnell = load(flux_dirs["schnell"])
     with pytest.raises(ValueError, match="uncond"):
         schnell.velocity(x, sigma, schnell.encode_prompts([PROMPT, PROMPT]), 3.0)
 
@@ -240,7 +240,7 @@ def test_guidance_maps_to_the_embedding_or_to_cfg(flux_dirs):
 def test_lora_targets_cover_both_flux_block_kinds(flux_dirs, targets):
     from peft import LoraConfig
 
-    transformer = FlowPipeline.from_pretrained(flux_dirs["dev"]).denoiser
+    transformer = load(flux_dirs["dev"]).denoiser
     transformer.add_adapter(LoraConfig(r=2, target_modules=LORA_TARGETS[targets]))
     adapted = {
         name.rsplit(".lora_A", 1)[0] for name, _ in transformer.named_parameters() if ".lora_A" in name
@@ -325,7 +325,7 @@ def test_trainers_train_flux_with_lora_and_plain_diffusers_loads_it(flux_dirs, t
         before = trained.with_denoiser(plain.transformer).velocity(x, sigma, cond, 3.5)
         plain.load_lora_weights(result)
         loaded = trained.with_denoiser(plain.transformer).velocity(x, sigma, cond, 3.5)
-        merged = FlowPipeline.from_pretrained(result).velocity(x, sigma, cond, 3.5)  # the project's reading
+        merged = load(result).velocity(x, sigma, cond, 3.5)  # the project's reading
     torch.testing.assert_close(loaded, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
     assert (loaded - before).abs().max() > 1e-4  # the LoRA changed something
@@ -348,21 +348,21 @@ def test_trainers_train_flux_with_lora_and_plain_diffusers_loads_it(flux_dirs, t
 
 def test_flux_pipelines_we_cannot_run_are_refused(tmp_path):
     no_t5 = save_flux(tmp_path / "no_t5", with_t5=False)
-    for load in (FlowPipeline.from_pretrained, check_model_directory):
+    for reader in (load, check_model_directory):
         with pytest.raises(ConfigError, match="no text_encoder_2, tokenizer_2 .*T5 text encoder"):
-            load(no_t5)
+            reader(no_t5)
     code = main(["train", "diffusion/flat_grpo", f"model.path={no_t5}", f"output_dir={tmp_path / 'run'}"])
     assert code == 2 and not (tmp_path / "run" / "final").exists()
 
     fill = save_flux(tmp_path / "fill", in_channels=32)  # extra conditioning channels, as FLUX Fill
     with pytest.raises(ConfigError, match="text-to-image FLUX only .*not Fill"):
-        FlowPipeline.from_pretrained(fill)
+        load(fill)
 
     karras = save_flux(tmp_path / "karras")
     config_file = karras / "scheduler" / "scheduler_config.json"
     config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"use_karras_sigmas": True}))
     with pytest.raises(ConfigError, match="use_karras_sigmas"):
-        FlowPipeline.from_pretrained(karras)
+        load(karras)
 
 
 def test_nft_trains_a_guidance_distilled_model_at_the_guidance_it_sampled_with(flux_dirs, tmp_path):

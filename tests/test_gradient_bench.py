@@ -15,6 +15,7 @@ from diffusion_rl.bench.gradient_signal import (
     bench_diffusion_gradient,
     signal_noise,
 )
+from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.shapes import vocabulary
 from mmrl.cli import load_plugins
@@ -155,7 +156,7 @@ def test_push_is_positive_towards_where_descent_goes_and_negative_away(model_dir
     for sign, name in ((-1.0, "descent"), (1.0, "ascent")):
         run = tmp_path / name
         _trainer(_load("diffusion/branchgrpo", args, 0, str(run)))  # writes run/config.yaml
-        pipe = FlowPipeline.from_pretrained(model_dir)
+        pipe = load(model_dir)
         offset = 0
         for p in (p for p in pipe.denoiser.parameters() if p.requires_grad):
             with torch.no_grad():
@@ -177,7 +178,7 @@ def test_direction_runs_must_start_where_the_bench_does(model_dir, tmp_path):
     run = tmp_path / "run"
     args = [*overrides(model_dir), "rollout.split_steps=[0,2,4]"]
     _trainer(_load("diffusion/branchgrpo", [*args, f"model.path={other}"], 0, str(run)))
-    FlowPipeline.from_pretrained(other).save_pretrained(run / "final")
+    load(other).save_pretrained(run / "final")
     with pytest.raises(ConfigError, match="started from"):
         bench_diffusion_gradient(
             configs=["diffusion/branchgrpo"] * 2, overrides=args, estimates=3, direction=[str(run)]

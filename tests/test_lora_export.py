@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffusion_rl.branch_grpo import BranchGRPOTrainer
+from diffusion_rl.loading import load
 from diffusion_rl.models import LORA_FILE, FlowPipeline
 from diffusion_rl.shapes import vocabulary
 from mmrl.cli import load_plugins
@@ -227,7 +228,7 @@ def test_the_project_reads_a_lora_result_as_its_base_with_the_adapter_merged(tmp
     base = make_base("own_sd3", tmp_path)
     trainer = save_lora_result(tmp_path / "run", base)
     inputs = fixed_inputs(trainer.pipe.denoiser)
-    loaded = FlowPipeline.from_pretrained(tmp_path / "run" / "final")
+    loaded = load(tmp_path / "run" / "final")
     assert not hasattr(loaded.denoiser, "peft_config")  # merged: a plain model, trainable like any base
     trained = denoiser_output(trainer.pipe.denoiser, inputs)
     assert relative_error(denoiser_output(loaded.denoiser, inputs), trained) < 1e-5
@@ -236,8 +237,8 @@ def test_the_project_reads_a_lora_result_as_its_base_with_the_adapter_merged(tmp
     record = json.loads((tmp_path / "run" / "final" / LORA_FILE).read_text())
     base.rename(tmp_path / "moved")
     with pytest.raises(ConfigError, match="base model .* is not a directory"):
-        FlowPipeline.from_pretrained(tmp_path / "run" / "final")
+        load(tmp_path / "run" / "final")
     record["base"] = str(tmp_path / "moved")
     (tmp_path / "run" / "final" / LORA_FILE).write_text(json.dumps(record))
-    moved = FlowPipeline.from_pretrained(tmp_path / "run" / "final")
+    moved = load(tmp_path / "run" / "final")
     assert relative_error(denoiser_output(moved.denoiser, inputs), trained) < 1e-5

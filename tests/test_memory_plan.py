@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from test_replicas import RECIPES, TRAIN_PROMPTS, replica_run
 from torch.profiler import ProfilerActivity, profile
 
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.loading import load
 from mmrl.cli import load_plugins, main
 from mmrl.config import load_config
 from mmrl.memory_plan import (
@@ -80,7 +80,7 @@ def test_meta_tensors_count_what_the_same_cpu_update_allocates(replicas):
     peaks = {}
     for device in ("cpu", "meta"):
         with torch.device(device):
-            pipe = FlowPipeline.from_configs(replicas["sd35m"])
+            pipe = load(replicas["sd35m"], weights=False)
         cond, uncond = pipe.encode_prompts(["a red square"] * 4), pipe.encode_prompts([""] * 4)
         x = torch.zeros(4, *pipe.latent_shape(), device=device)
         tracker = LiveTensorBytes()
@@ -112,7 +112,7 @@ def test_fsdp_shards_the_trained_module_and_gathers_its_blocks(replicas, tmp_pat
     assert (launch.processes, launch.fsdp, launch.wrap_classes) == (8, True, ("JointTransformerBlock",))
     plan = whole.sharded(launch)
     with torch.device("meta"):
-        denoiser = FlowPipeline.from_configs(replicas["sd35m"]).denoiser
+        denoiser = load(replicas["sd35m"], weights=False).denoiser
     block = whole.blocks["JointTransformerBlock"]  # with its LoRA layers
     assert largest_blocks(denoiser)["JointTransformerBlock"] < block < whole.trained_module_parameters()
     assert plan.held["FSDP gathered blocks"] == 2 * block * 2  # this one and the prefetched one, bf16
@@ -263,5 +263,5 @@ def test_frozen_networks_in_bfloat16_take_half_the_memory_and_the_run_trains(rep
         assert abs(2 * plans["bfloat16"][part] / plans["float32"][part] - 1) < 0.02
     result = TRAINERS.get(config.trainer)(config).train()  # the bfloat16 run
     assert all(torch.isfinite(torch.tensor(value)) for value in result.values())
-    pipe = FlowPipeline.from_pretrained(tmp_path / "bfloat16" / "run" / "final")
+    pipe = load(tmp_path / "bfloat16" / "run" / "final")
     assert pipe.denoiser.dtype == torch.float32  # only the frozen networks change dtype, in the run

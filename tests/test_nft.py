@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diffusion_rl.branch_rollout import rollout_trees
+from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
 from diffusion_rl.nft import DiffusionNFTTrainer, old_policy_decay
 from diffusion_rl.shapes import train_prompts, vocabulary
@@ -259,7 +260,7 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
     def run(run_dir, steps, *extra):
         trainer_for(model_dir, run_dir, *common, f"steps={steps}", *extra, setup=False).train()
         rows = [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows_of(run_dir)]
-        return rows, FlowPipeline.from_pretrained(run_dir / "final").denoiser.state_dict()
+        return rows, load(run_dir / "final").denoiser.state_dict()
 
     straight_rows, straight = run(tmp_path / "straight", 4)
     run(tmp_path / "stopped", 2)

@@ -8,7 +8,7 @@ import torch
 import yaml
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.loading import load
 from diffusion_rl.replicas import FULL, build_full
 from mmrl.cli import load_plugins, main
 from mmrl.config import CONFIG_ROOT as CONFIGS
@@ -53,7 +53,7 @@ def replicas(tmp_path_factory):
 def test_replicas_load_as_the_real_pipelines_do_and_keep_their_structure(replicas, name, denoiser):
     index = json.loads((replicas[name] / "model_index.json").read_text())
     assert index["_class_name"] == {"sd35m": "StableDiffusion3Pipeline", "flux_dev": "FluxPipeline"}[name]
-    pipe = FlowPipeline.from_pretrained(replicas[name])
+    pipe = load(replicas[name])
     assert isinstance(pipe.denoiser, denoiser)
     assert pipe.vae_scale == 8 and pipe.latent_shape()[0] == 16  # the real VAE's downsampling, channels
     full = FULL[name]["transformer"]
@@ -155,7 +155,7 @@ def test_each_real_model_recipe_runs_an_iteration_on_its_replica(replicas, tmp_p
     assert set(result) >= {"heldout_pickscore", "heldout_gold"}
     adapter = tmp_path / "run" / "final" / "pytorch_lora_weights.safetensors"
     assert adapter.is_file()
-    FlowPipeline.from_pretrained(tmp_path / "run" / "final")  # the LoRA result loads on its base
+    load(tmp_path / "run" / "final")  # the LoRA result loads on its base
 
 
 VLM_RECIPES = {"vlm/qwen25vl_3b_tool_grpo": "qwen25vl_3b"}
@@ -217,6 +217,6 @@ def test_fsdp_configs_wrap_blocks_the_models_have(replicas, launch, name):
     if name == "qwen25vl_3b":
         model = VLMAdapter.from_pretrained(replicas[name]).model
     else:
-        model = FlowPipeline.from_pretrained(replicas[name]).denoiser
+        model = load(replicas[name]).denoiser
     classes = {type(module).__name__ for module in model.modules()}
     assert set(wrapped) <= classes, sorted(set(wrapped) - classes)

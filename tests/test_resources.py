@@ -220,9 +220,9 @@ def test_vla_environments_too_many():
 @functools.cache
 def shipped_pipeline(path):
     from diffusion_rl.inputs import resolve_model_path
-    from diffusion_rl.models import FlowPipeline
+    from diffusion_rl.loading import load
 
-    return FlowPipeline.from_pretrained(resolve_model_path(path))
+    return load(resolve_model_path(path))
 
 
 def setup_time_check(config):

@@ -38,7 +38,7 @@ import torch
 
 from diffusion_rl.branch_grpo import BranchGRPOTrainer, Sample, sample_weight
 from diffusion_rl.config import BranchGRPOConfig
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.loading import load
 from mmrl.bench_all import print_table
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import BENCHES
@@ -117,7 +117,7 @@ def _direction(runs: list[str], trainer: BranchGRPOTrainer) -> torch.Tensor:
                 f"config error: direction: run {run!r} started from {origin!r}, the bench from "
                 f"{trainer.config.model.path!r}: give runs that started where the bench does"
             )
-        final = dict(FlowPipeline.from_pretrained(Path(run) / "final").denoiser.named_parameters())
+        final = dict(load(Path(run) / "final").denoiser.named_parameters())
         total += torch.cat([(final[name] - start[name]).detach().double().flatten() for name in names])
     return (total / total.norm()).float()
 

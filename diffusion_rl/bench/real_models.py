@@ -34,7 +34,7 @@ from torch import nn
 
 from diffusion_rl.alignment import geneval_mini
 from diffusion_rl.inputs import resolve_model_path
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.loading import load
 from diffusion_rl.quantized_exploration import kendall_tau
 from diffusion_rl.replicas import save_replica
 from diffusion_rl.sampling import heldout_subset, sample_ode
@@ -97,7 +97,7 @@ def _denoiser_step_row(name: str, scale: str, device: torch.device, iterations: 
     with tempfile.TemporaryDirectory() as configs:
         save_replica(name, configs, full=scale == "full", weights=False)
         with torch.device(device), default_dtype(torch.bfloat16):
-            pipe = FlowPipeline.from_configs(configs)
+            pipe = load(configs, weights=False)
     pipe.set_image_size(IMAGE_SIZE[scale])
     cond = pipe.encode_prompts([PROMPT] * batch)
     x = torch.randn(batch, *pipe.latent_shape(), device=device, dtype=torch.bfloat16)
@@ -133,7 +133,7 @@ def fp8_ranking_rows(options: GpuBenchOptions, device: torch.device, workdir: Pa
     """Kendall tau of each prompt's pool rewards, FP8 against bfloat16 on the same seeds, on the
     shipped shapes model (no guidance, ODE: how Sol-RL draws its pool)."""
     prompts, pool, steps = options.pool_prompts, options.pool, options.pool_steps
-    pipe = FlowPipeline.from_pretrained(resolve_model_path("diffusion_rl/assets/tiny_flow")).to(device)
+    pipe = load(resolve_model_path("diffusion_rl/assets/tiny_flow")).to(device)
     reward = geneval_mini(device=str(device))
     chosen = heldout_subset(prompts)
     repeated = [p for p in chosen for _ in range(pool)]
