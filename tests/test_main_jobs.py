@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # recipe -> the held-out metric its eval.json must hold before and after training
 MAIN_JOBS = {
-    "diffusion/branchgrpo_quick": "heldout_alignment",
+    "diffusion/branchgrpo_quick": "heldout_shapes_strict",
     "vlm/tool_grpo_quick": "auto_accuracy",
     "vla/habc_quick": "success_rate",
 }
