@@ -14,13 +14,20 @@ from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.cli import load_plugins, main
 from mmrl.noise import NoiseKey
 from mmrl.partial import PartialGroups
+from vlm_rl.config import PartialRolloutConfig, ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
-from vlm_rl.partial_rollout import PartialRollouts
-from vlm_rl.rollout import PartialRolloutConfig, ToolRolloutConfig, rollout
+from vlm_rl.rollout import generate, rollout
+from vlm_rl.schedules import CarriedGroups
 
 load_plugins()
+
+
+def carried_step(carried, step, sample):
+    """One training step's partial rollouts: begin the step, run the loop on it, end it."""
+    generate(carried.adapter, carried.begin(step, sample), carried.cfg)
+    return carried.end()
 
 
 @dataclass
@@ -190,8 +197,8 @@ def same_conversation(a, b):
 def test_without_over_provision_a_step_is_the_synchronous_rollout(policy, questions):
     items = items_of(questions, ["detail", "global", "global"])
     cfg = config(over_provision=0.0)
-    runner = PartialRollouts(policy, questions, cfg, target_groups=3, group_size=G, seed=5)
-    out = runner.step(4, sampler(items))
+    runner = CarriedGroups(policy, questions, cfg, target_groups=3, group_size=G, seed=5)
+    out = carried_step(runner, 4, sampler(items))
     keys = [NoiseKey(5, 4, s * G + j, 0) for s in range(3) for j in range(G)]
     expected = rollout(policy, [questions[i] for i in items for _ in range(G)], cfg, keys)
     assert out.items == items and [g.launch_step for g in out.groups] == [4] * 3
@@ -203,10 +210,10 @@ def test_without_over_provision_a_step_is_the_synchronous_rollout(policy, questi
 def test_a_carried_conversation_keeps_its_tokens_and_log_probs(policy, questions):
     adapter = copy.deepcopy(policy)
     items = items_of(questions, ["detail", "global", "global", "global", "global", "global"])
-    runner = PartialRollouts(
+    runner = CarriedGroups(
         adapter, questions, config(over_provision=1.0), target_groups=2, group_size=G, seed=1
     )
-    first = runner.step(0, sampler(items))
+    first = carried_step(runner, 0, sampler(items))
     assert len(first.groups) == 2 and all(t.ended for t in first.trajectories)
     # the zoom is carried after its tool call and crop, before its answer
     carried = runner.groups.groups[0]
@@ -217,7 +224,7 @@ def test_a_carried_conversation_keeps_its_tokens_and_log_probs(policy, questions
     with torch.no_grad():  # the policy is updated between the steps
         for p in adapter.model.parameters():
             p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
-    second = runner.step(1, sampler(items[4:]))
+    second = carried_step(runner, 1, sampler(items[4:]))
     assert second.groups[0] is carried and carried.complete  # trained first: the oldest launch
     for old, member in zip(before, carried.members, strict=True):
         t = member.trajectory
@@ -242,7 +249,7 @@ def test_a_carried_conversation_keeps_its_tokens_and_log_probs(policy, questions
 def test_mid_turn_pauses_never_reuse_a_key(policy, questions, monkeypatch):
     items = items_of(questions, ["detail", "global", "global", "global", "global", "global", "global"])
     cfg = config(over_provision=1.0, segment_tokens=4, max_staleness=20)
-    runner = PartialRollouts(policy, questions, cfg, target_groups=2, group_size=G, seed=2)
+    runner = CarriedGroups(policy, questions, cfg, target_groups=2, group_size=G, seed=2)
     drawn = []
     real = policy.generate_turn
 
@@ -255,7 +262,7 @@ def test_mid_turn_pauses_never_reuse_a_key(policy, questions, monkeypatch):
     draw = sampler(items)
     zoom, paused = None, []
     for step in range(12):
-        out = runner.step(step, draw)
+        out = carried_step(runner, step, draw)
         if items[0] in out.items:
             zoom = out.groups[out.items.index(items[0])]
             break
@@ -273,11 +280,11 @@ def test_mid_turn_pauses_never_reuse_a_key(policy, questions, monkeypatch):
 
 def test_the_staleness_cap_drops_counts_and_relaunches(policy, questions):
     items = items_of(questions, ["detail", "global", "global", "global", "global", "global", "global"])
-    runner = PartialRollouts(policy, questions, config(over_provision=1.0, max_staleness=0), 2, G, seed=3)
-    runner.step(0, sampler(items))
+    runner = CarriedGroups(policy, questions, config(over_provision=1.0, max_staleness=0), 2, G, seed=3)
+    carried_step(runner, 0, sampler(items))
     carried = [g.item for g in runner.groups.groups]
     assert items[0] in carried
-    out = runner.step(1, sampler(items[4:]))
+    out = carried_step(runner, 1, sampler(items[4:]))
     # every carried group would train 1 version behind: all dropped, counted and launched again first
     assert out.metrics["partial_dropped"] == G * len(carried) == out.metrics["partial_dropped_total"]
     relaunched = sorted((g.slot, g.item, g.launch_step) for g in [*out.groups, *runner.groups.groups])
@@ -289,14 +296,14 @@ def test_the_staleness_cap_drops_counts_and_relaunches(policy, questions):
 def test_state_dict_rebuilds_identical_conversations(policy, questions, tmp_path, segment_tokens):
     items = items_of(questions, ["detail", "global", "global", "global", "detail", "global", "global"])
     cfg = config(over_provision=1.0, segment_tokens=segment_tokens)
-    runner = PartialRollouts(policy, questions, cfg, target_groups=2, group_size=G, seed=4)
-    runner.step(0, sampler(items))
+    runner = CarriedGroups(policy, questions, cfg, target_groups=2, group_size=G, seed=4)
+    carried_step(runner, 0, sampler(items))
     assert any(not g.complete for g in runner.groups.groups)
     state = runner.state_dict()
-    assert {k for k, v in state.items() if isinstance(v, torch.Tensor)} == set(PartialRollouts.TENSOR_KEYS)
+    assert {k for k, v in state.items() if isinstance(v, torch.Tensor)} == set(CarriedGroups.TENSOR_KEYS)
     save_checkpoint(tmp_path, 0, {"partial": state})
     (path,) = tmp_path.iterdir()
-    restored = PartialRollouts(policy, questions, cfg, target_groups=2, group_size=G, seed=4)
+    restored = CarriedGroups(policy, questions, cfg, target_groups=2, group_size=G, seed=4)
     restored.load_state_dict(load_checkpoint(path).state["partial"])
 
     pairs = [
@@ -311,7 +318,7 @@ def test_state_dict_rebuilds_identical_conversations(policy, questions, tmp_path
         assert any(a.trajectory.turn_ids for a, _ in pairs)  # a turn paused mid-way came back open
 
     rest = items[4:]
-    outs = [r.step(1, sampler(rest)) for r in (runner, restored)]
+    outs = [carried_step(r, 1, sampler(rest)) for r in (runner, restored)]
     assert outs[0].items == outs[1].items and outs[0].metrics == outs[1].metrics
     assert all(
         same_conversation(a, b) for a, b in zip(outs[0].trajectories, outs[1].trajectories, strict=True)
@@ -320,16 +327,16 @@ def test_state_dict_rebuilds_identical_conversations(policy, questions, tmp_path
 
 def test_a_state_from_other_settings_is_refused(policy, questions):
     items = items_of(questions, ["detail", "global", "global", "global"])
-    runner = PartialRollouts(policy, questions, config(over_provision=1.0), 2, G, seed=4)
-    runner.step(0, sampler(items))
+    runner = CarriedGroups(policy, questions, config(over_provision=1.0), 2, G, seed=4)
+    carried_step(runner, 0, sampler(items))
     state = runner.state_dict()
     with pytest.raises(ValueError, match="groups of 2"):
-        PartialRollouts(policy, questions, config(over_provision=1.0), 2, 3, seed=4).load_state_dict(state)
+        CarriedGroups(policy, questions, config(over_provision=1.0), 2, 3, seed=4).load_state_dict(state)
     other = ToolRolloutConfig(
         crop_min_size=400, partial=PartialRolloutConfig(enabled=True, over_provision=1.0)
     )
     with pytest.raises(ValueError, match="replays to"):
-        PartialRollouts(policy, questions, other, 2, G, seed=4).load_state_dict(state)
+        CarriedGroups(policy, questions, other, 2, G, seed=4).load_state_dict(state)
 
 
 def test_a_resumed_partial_run_repeats_the_uninterrupted_one(tmp_path):
@@ -381,10 +388,10 @@ def test_bench_rows_put_partial_and_synchronous_side_by_side(policy, capsys):
 def test_a_group_samples_its_first_tokens_in_its_launch_step(policy, questions):
     # one group trained per step, three in flight: finished groups wait, and would already be enough
     items = items_of(questions, ["global"] * 5)
-    runner = PartialRollouts(policy, questions, config(over_provision=2.0), 1, G, seed=7)
-    runner.step(0, sampler(items))
+    runner = CarriedGroups(policy, questions, config(over_provision=2.0), 1, G, seed=7)
+    carried_step(runner, 0, sampler(items))
     waiting = [g for g in runner.groups.groups if g.complete]
     assert len(waiting) >= 1
-    runner.step(1, sampler(items[3:]))
+    carried_step(runner, 1, sampler(items[3:]))
     launched = [g for g in runner.groups.groups if g.launch_step == 1]
     assert launched and all(set(m.tokens_by_version) == {1} for g in launched for m in g.members)

@@ -15,10 +15,11 @@ import torch
 
 from mmrl.cli import load_plugins, main
 from mmrl.noise import NoiseKey
+from vlm_rl.config import ToolRolloutConfig, TreeRolloutConfig
+from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
 from vlm_rl.models import Segment, TinyVLMSpec, VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig, TreeRolloutConfig, prompt_segment, rollout
-from vlm_rl.tree_rollout import tree_rollout
+from vlm_rl.rollout import rollout, tree_rollout
 from vlm_rl.vllm_engine import vllm_available
 
 load_plugins()

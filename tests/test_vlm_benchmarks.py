@@ -15,10 +15,10 @@ from mmrl.config import ConfigError
 from mmrl.registry import EVALUATORS
 from vlm_rl.benchmark_files import load_benchmark
 from vlm_rl.benchmark_rows import BenchmarkRow, RowError, make_question, read_lines, split_options, utf8_text
+from vlm_rl.config import ToolRolloutConfig
 from vlm_rl.data import Question, question_text, tool_call_text
 from vlm_rl.eval_benchmarks import resolve_model, run_benchmark
 from vlm_rl.models import Generation, VLMAdapter
-from vlm_rl.rollout import ToolRolloutConfig
 from vlm_rl.scoring import Outcome, RowResult, extract_choice, hrbench_score, score_results
 from vlm_rl.tools import ToolStats
 

@@ -10,11 +10,10 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import load_config, shipped_path
 from mmrl.memory_plan import LiveTensorBytes, RealIndicesOnMeta, fused_attention_on_meta
 from mmrl.registry import REPLICAS
-from vlm_rl.config import DEFAULT_MODEL
+from vlm_rl.config import DEFAULT_MODEL, ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.memory_plan import longest_conversation
 from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
-from vlm_rl.rollout import ToolRolloutConfig
 from vlm_rl.trainer import ToolGRPOTrainer
 
 load_plugins()

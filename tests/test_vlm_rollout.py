@@ -13,10 +13,12 @@ from mmrl.checkpoint import list_checkpoints
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
 from mmrl.noise import NoiseKey
+from vlm_rl.config import ToolRolloutConfig
+from vlm_rl.conversation import Trajectory, prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, round_box, task_vocabulary, tool_call_text
 from vlm_rl.models import Generation, Segment, VLMAdapter
 from vlm_rl.rewards import adaptive_tool_rewards
-from vlm_rl.rollout import ToolRolloutConfig, Trajectory, metrics_by_kind, prompt_segment, rollout
+from vlm_rl.rollout import metrics_by_kind, rollout
 from vlm_rl.sft import SFTTrainConfig, load_or_build, zoom_share
 from vlm_rl.tasks import COLOURS, SHAPES, TaskConfig, make_example
 from vlm_rl.tools import ImageStore, ToolCall, ToolStats, first_tool_call
@@ -497,7 +499,9 @@ def test_the_default_model_is_the_shipped_base_found_from_any_working_directory(
 def test_each_conversation_keeps_its_own_token_budget(vlm, questions, monkeypatch):
     """A conversation near max_tokens ends there; it neither cuts the turn of one with room nor marks it
     truncated."""
-    from vlm_rl.rollout import continue_rollout, start_conversations
+    from vlm_rl.conversation import start_conversations
+    from vlm_rl.rollout import generate
+    from vlm_rl.schedules import Conversation, Groups
 
     answer = "<answer>B</answer><|im_end|>"
     scripted(vlm, monkeypatch, [answer])
@@ -508,6 +512,6 @@ def test_each_conversation_keeps_its_own_token_budget(vlm, questions, monkeypatc
     filler = cfg.max_tokens - room - len(near.sequence)
     near.append(Segment([vlm.segment("A").token_ids[0]] * filler), sampled=False)  # an earlier turn's room
     assert cfg.max_tokens - len(near.sequence) == room > 0
-    continue_rollout(vlm, [near, roomy], cfg, keys=None)
+    generate(vlm, Groups([Conversation(near, None), Conversation(roomy, None)]), cfg)
     assert roomy.ended == "answer" and roomy.answer == "B"
     assert near.ended == "max_tokens" and len(near.sequence) == cfg.max_tokens

@@ -13,12 +13,12 @@ from mmrl.config import ConfigError, load_config
 from mmrl.noise import NoiseKey
 from mmrl.registry import ADVANTAGES
 from mmrl.tree import fused_node_advantages
-from vlm_rl.config import DEFAULT_MODEL
+from vlm_rl.config import DEFAULT_MODEL, ToolRolloutConfig, TreeRolloutConfig
+from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
 from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, VLMAdapter, shared_prefixes
-from vlm_rl.rollout import ToolRolloutConfig, TreeRolloutConfig, prompt_segment, rollout
+from vlm_rl.rollout import rollout, tree_rollout
 from vlm_rl.trainer import ToolGRPOTrainer, load_policy
-from vlm_rl.tree_rollout import tree_rollout
 
 load_plugins()
 
@@ -448,8 +448,8 @@ def test_tree_bench_rows_count_prefill_and_trained_tokens(capsys):
 
 
 def test_flat_shared_prefixes_are_the_prompts_even_without_sampled_tokens():
+    from vlm_rl.conversation import Trajectory
     from vlm_rl.models import Segment
-    from vlm_rl.rollout import Trajectory
     from vlm_rl.trainer import shared_prefixes
 
     def conversation(mask):

@@ -1,10 +1,11 @@
-"""The `tool_grpo` trainer's configuration: one dataclass per section, the checks that need several
-fields, and the size check made at setup (`check_rollout_size`)."""
+"""The `tool_grpo` trainer's configuration: one dataclass per section (the rollout's too, which the
+SFT and evaluation reuse), the checks that need several fields, and the size check made at setup
+(`check_rollout_size`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import PretrainedConfig
@@ -14,9 +15,98 @@ from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.partial import groups_in_flight
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from vlm_rl.data import DataConfig
-from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig
 
 DEFAULT_MODEL = "vlm_rl/assets/tiny_vlm"  # shipped; `mmrl pretrain vlm` remakes it (runs/pretrain/vlm/model)
+
+
+ToolMode = Literal["auto", "always", "never"]
+TOOL_MODES = get_args(ToolMode)
+
+
+@dataclass
+class TreeRolloutConfig:
+    enabled: bool = option(
+        False, "a question's group is a tree: branches continue from their shared prefix (TreePO-style)"
+    )
+    branching: list[int] = option(
+        [4, 2],
+        "children per branch point by depth: the prompt's first, then each later split (1 past the end); a "
+        "finished branch hands its unused leaves back to its parent, so groups keep train.group_size leaves",
+        min=1,
+    )
+    segment_tokens: int = option(
+        0, "also split a turn after this many generated tokens (0: split only at turn boundaries)", min=0
+    )
+
+
+@dataclass
+class PartialRolloutConfig:
+    enabled: bool = option(
+        False,
+        "APRIL-style: launch more groups than a step trains, end the step once enough groups finished, "
+        "carry the unfinished conversations into the next step",
+    )
+    over_provision: float = option(
+        0.5, "extra groups launched, as a fraction of train.questions_per_step", min=0.0
+    )
+    max_staleness: int = option(
+        2,
+        "a carried conversation whose first token is more than this many policy versions old is dropped "
+        "(counted) and its question relaunched",
+        min=0,
+    )
+    segment_tokens: int = option(
+        0,
+        "also pause a turn after this many generated tokens, so a step can end mid-turn once enough groups "
+        "are complete (0: steps end at turn boundaries; each pause prefills the conversation again)",
+        min=0,
+    )
+
+
+@dataclass
+class ToolRolloutConfig:
+    max_turns: int = option(3, "assistant turns per rollout: tool calls plus the answer", min=1)
+    max_new_tokens: int = option(48, "tokens one assistant turn may generate", min=1)
+    max_tokens: int = option(1024, "tokens a whole conversation may hold (prompt and images included)", min=8)
+    max_images: int = option(3, "images a conversation may hold, the original included", min=1)
+    temperature: float = option(1.0, "sampling temperature", min=1e-3)
+    coordinate_space: Literal["auto", "normalized", "pixels", "resized"] = option(
+        "auto", "how the model writes boxes: [0,1] fractions, pixels, pixels of the resized view, or auto"
+    )
+    crop_padding: float = option(0.0, "fraction of a box's size added on each side of a crop", min=0.0)
+    crop_min_size: int = option(28, "smallest crop side in original pixels (smaller boxes grow)", min=1)
+    system_prompt: str | None = option(None, "system turn explaining the tool (real models need one)")
+    backend: Literal["transformers", "vllm"] = option(
+        "transformers", "what generates the turns: the policy's transformers model, or vLLM (optional)"
+    )
+    vllm_kv_cache_gib: float | None = option(
+        2.0,
+        "memory vLLM keeps for its key/value cache, GiB (backend vllm; on GPU and on CPU); null with "
+        "vllm_gpu_memory_fraction",
+        min=0.01,
+    )
+    vllm_gpu_memory_fraction: float | None = option(
+        None,
+        "share of the GPU's memory vLLM may take for its weights and key/value cache (its "
+        "gpu_memory_utilization), the rest left to training; replaces vllm_kv_cache_gib (set that to null)",
+        min=0.01,
+        max=1.0,
+    )
+    vllm_sleep: bool = option(
+        False,
+        "free vLLM's GPU memory (weights and key/value cache) while the policy updates, and wake it with "
+        "the new weights before the next rollouts (vLLM's sleep mode; a CUDA GPU only)",
+    )
+    tree: TreeRolloutConfig = field(default_factory=TreeRolloutConfig)
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+
+    def __post_init__(self) -> None:
+        if (self.vllm_kv_cache_gib is None) == (self.vllm_gpu_memory_fraction is None):
+            raise ConfigError(
+                f"config error: rollout.vllm_kv_cache_gib = {self.vllm_kv_cache_gib} and "
+                f"rollout.vllm_gpu_memory_fraction = {self.vllm_gpu_memory_fraction}: give exactly one "
+                "(the key/value cache in GiB, or vLLM's share of the GPU) and set the other to null"
+            )
 
 
 @dataclass

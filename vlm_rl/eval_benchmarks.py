@@ -34,8 +34,9 @@ from mmrl.config import (
 from mmrl.registry import EVALUATORS
 from vlm_rl.benchmark_files import load_benchmark
 from vlm_rl.benchmark_rows import EXPECTED, FORMATS, IMAGE_ERRORS, BenchmarkRow, SkippedRow
+from vlm_rl.config import DEFAULT_MODEL, TOOL_MODES, ToolRolloutConfig
 from vlm_rl.models import ImageSizeError, VLMAdapter
-from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, rollout
+from vlm_rl.rollout import rollout
 from vlm_rl.scoring import Outcome, RowResult, extract_choice, score_results
 from vlm_rl.tasks import OPTION_LETTERS
 
@@ -143,8 +144,6 @@ class VLMEvalConfig:
 
 
 def resolve_model(model: str | None) -> Path:
-    from vlm_rl.config import DEFAULT_MODEL
-
     return shipped_path(model or DEFAULT_MODEL)
 
 

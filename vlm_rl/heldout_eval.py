@@ -9,16 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vlm_rl.config import ToolMode, ToolRolloutConfig
+from vlm_rl.conversation import TurnGenerator
 from vlm_rl.data import Question
 from vlm_rl.models import VLMAdapter
-from vlm_rl.rollout import (
-    ToolMode,
-    ToolRolloutConfig,
-    TurnGenerator,
-    metrics_by_kind,
-    rollout,
-    rollout_metrics,
-)
+from vlm_rl.rollout import metrics_by_kind, rollout, rollout_metrics
 
 REPORTED = ("accuracy", "tool_ratio", "tokens_per_answer", "tool_calls", "tool_success_rate")
 

@@ -32,9 +32,9 @@ from mmrl.memory_plan import (
     per_process_sizes,
     weight_bytes,
 )
+from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import QuestionSet
 from vlm_rl.models import Segment, VLMAdapter, enable_gradient_checkpointing
-from vlm_rl.rollout import prompt_segment
 
 CROP = (0.25, 0.25, 0.75, 0.75)  # the observations' crops: the middle of the image, as fractions
 

@@ -23,10 +23,11 @@ import torch
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.registry import TRAINERS
 from mmrl.trainer import Trainer, warmup_cosine
+from vlm_rl.config import TOOL_MODES, ToolRolloutConfig
+from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, Question, QuestionSet, demonstration, keyed_rng, task_vocabulary
 from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import TinyVLMSpec, VLMAdapter
-from vlm_rl.rollout import TOOL_MODES, ToolRolloutConfig, prompt_segment
 from vlm_rl.trainer import load_policy
 
 

@@ -38,11 +38,13 @@ from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
 from mmrl.partial import groups_in_flight
 from mmrl.registry import BENCHES
+from vlm_rl.config import PartialRolloutConfig, ToolRolloutConfig
+from vlm_rl.conversation import Trajectory, TurnGenerator
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
-from vlm_rl.partial_rollout import PartialRollouts
-from vlm_rl.rollout import PartialRolloutConfig, ToolRolloutConfig, Trajectory, TurnGenerator, rollout
+from vlm_rl.rollout import generate, rollout
+from vlm_rl.schedules import CarriedGroups
 from vlm_rl.tree_bench import tree_vs_flat_rows
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
@@ -86,7 +88,7 @@ def _partial_rows(adapter: VLMAdapter, groups: int, steps: int) -> list[dict[str
     size = total * groups_in_flight(groups, cfg.partial.over_provision)
     questions = QuestionSet(DataConfig(heldout_size=size, heldout_detail_fraction=PARTIAL_DETAIL), "heldout")
     orders = [itertools.count(), itertools.count()]  # both draw the questions in index order
-    runner = PartialRollouts(adapter, questions, cfg, groups, g, seed=0)
+    carried = CarriedGroups(adapter, questions, cfg, groups, g, seed=0)
 
     def synchronous(step: int) -> list[Trajectory]:
         items = [next(orders[0]) for _ in range(groups)]
@@ -96,7 +98,8 @@ def _partial_rows(adapter: VLMAdapter, groups: int, steps: int) -> list[dict[str
     metrics = []
 
     def partial(step: int) -> list[Trajectory]:
-        out = runner.step(step, lambda n: [next(orders[1]) for _ in range(n)])
+        generate(adapter, carried.begin(step, lambda n: [next(orders[1]) for _ in range(n)]), cfg)
+        out = carried.end()
         metrics.append(out.metrics)
         return out.trajectories
 

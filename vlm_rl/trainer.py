@@ -4,12 +4,13 @@ One step, top to bottom in `ToolGRPOTrainer.train_step`:
 
 1. the sampler picks questions (default: Beta-Thompson on each question's correctness, VADE-style,
    so questions the policy gets right about half the time come first);
-2. `group_size` multi-turn rollouts per question (`vlm_rl.rollout`), sampling noise keyed by
-   (seed, step, rollout), so a rollout does not depend on the batch it was generated in; with
-   `rollout.tree.enabled` the group is a tree whose branches share their prefix (`vlm_rl.tree_rollout`),
-   still `group_size` leaves per question; with `rollout.partial.enabled` (APRIL) more groups are in
-   flight than a step trains, the step trains the first `questions_per_step` complete ones and carries
-   the others, tokens and log-probs included, into the next step (`vlm_rl.partial_rollout`);
+2. `group_size` multi-turn rollouts per question in one loop (`vlm_rl.rollout`), sampling noise
+   keyed by (seed, step, rollout), so a rollout does not depend on the batch it was generated in; its
+   schedule (`vlm_rl.schedules`) says what starts, branches and carries over: flat groups; with
+   `rollout.tree.enabled` trees whose branches share their prefix, still `group_size` leaves per
+   question; with `rollout.partial.enabled` (APRIL) more groups in flight than a step trains, the step
+   training the first `questions_per_step` complete ones and carrying the others, tokens and log-probs
+   included, into the next step;
 3. rewards from the whole group (`vlm_rl.rewards.adaptive_tool`: a correct direct answer beats a
    correct zoom when the question is answerable without one, a zoom wins when it is not);
 4. groups whose rewards are all equal teach nothing and are dropped (dynamic filtering); the
@@ -39,23 +40,17 @@ from mmrl.config import ConfigError, shipped_path
 from mmrl.credit import assign_credit
 from mmrl.losses import kl_to_reference
 from mmrl.memory_plan import MemoryPlan
-from mmrl.noise import NoiseKey
 from mmrl.registry import LOSSES, REWARDS, TRAINERS, UnknownNameError
 from mmrl.samplers import build_sampler, keep_groups
 from mmrl.trainer import Trainer
 from mmrl.tree import RolloutTree
 from vlm_rl.config import ToolGRPOConfig, check_rollout_size
+from vlm_rl.conversation import Trajectory
 from vlm_rl.data import QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
-from vlm_rl.partial_rollout import PartialRollouts, PartialStep
-from vlm_rl.rollout import (
-    Trajectory,
-    metrics_by_kind,
-    rollout,
-    rollout_metrics,
-)
-from vlm_rl.tree_rollout import TreeRollout, tree_rollout
+from vlm_rl.rollout import generate, metrics_by_kind, rollout_metrics
+from vlm_rl.schedules import CarriedGroups, Groups, TreeRollout, Trees
 from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 
 
@@ -119,7 +114,7 @@ class ToolGRPOTrainer(Trainer):
             cfg.seed,
             "train.sampler_options",
         )
-        self.partial = None
+        self.carried = None
         if cfg.rollout.partial.enabled:
             if self.accelerator.num_processes > 1:
                 raise ConfigError(
@@ -127,14 +122,13 @@ class ToolGRPOTrainer(Trainer):
                     "a process carries are its own, and a checkpoint holds the main process's trainer "
                     "state): launch one process, or set rollout.partial.enabled=false"
                 )
-            self.partial = PartialRollouts(
+            self.carried = CarriedGroups(
                 self.adapter,
                 self.train_set,
                 cfg.rollout,
                 cfg.train.questions_per_step,
                 cfg.train.group_size,
                 cfg.seed,
-                engine=self.engine,
             )
         self.reference = None
         if cfg.train.kl_coef > 0:
@@ -152,14 +146,14 @@ class ToolGRPOTrainer(Trainer):
 
     def trainer_state(self) -> dict[str, Any]:
         state = {"sampler": self.sampler.state_dict()}
-        if self.partial is not None:  # the conversations carried into the next step
-            state["partial"] = self.partial.state_dict()
+        if self.carried is not None:  # the conversations carried into the next step
+            state["partial"] = self.carried.state_dict()
         return state
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        if self.partial is not None and "partial" in state:  # a run started without partial carries none
-            self.partial.load_state_dict(state["partial"])
+        if self.carried is not None and "partial" in state:  # a run started without partial carries none
+            self.carried.load_state_dict(state["partial"])
 
     def sync_engine(self) -> None:
         """vLLM samples with the policy's current weights (they change at every optimizer step and at
@@ -181,40 +175,32 @@ class ToolGRPOTrainer(Trainer):
         self.release_engine()
         return results
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def schedule(self, step: int) -> Groups | Trees | CarriedGroups:
+        """What this step's rollout starts, branches and carries over: the carried groups go on and
+        new ones fill up (one process), or the sampler's questions start as flat groups or trees."""
         cfg = self.config
+        if self.carried is not None:
+            return self.carried.begin(step, self.sampler.sample)
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         n, g = cfg.train.questions_per_step, cfg.train.group_size
-        tree: TreeRollout | None = None
-        partial: PartialStep | None = None
-        if self.partial is not None:  # one process: the carried groups go on, new ones fill up
-            self.adapter.model.eval()
-            self.sync_engine()
-            partial = self.partial.step(step, self.sampler.sample)
-            chosen, slots, trajectories = partial.items, list(range(n)), partial.trajectories
-            questions = [self.train_set[i] for i in chosen]
-        else:
-            chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
-            slots = list(range(rank, n * world, world))
-            questions = [self.train_set[chosen[s]] for s in slots]
-            self.adapter.model.eval()
-            self.sync_engine()
-            if cfg.rollout.tree.enabled:
-                tree = tree_rollout(
-                    self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, engine=self.engine
-                )
-                trajectories = tree.leaves
-            else:
-                keys = [NoiseKey(cfg.seed, step, s * g + j, 0) for s in slots for j in range(g)]
-                trajectories = rollout(
-                    self.adapter,
-                    [q for q in questions for _ in range(g)],
-                    cfg.rollout,
-                    keys,
-                    engine=self.engine,
-                )
+        chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
+        slots = list(range(rank, n * world, world))
+        questions = [self.train_set[chosen[s]] for s in slots]
+        if cfg.rollout.tree.enabled:
+            return Trees(self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, chosen)
+        return Groups.start(self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, chosen)
 
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.config
+        g = cfg.train.group_size
+        self.adapter.model.eval()
+        self.sync_engine()
+        schedule = self.schedule(step)
+        step_rollouts = schedule.rollouts(generate(self.adapter, schedule, cfg.rollout, self.engine))
         self.release_engine()
+        chosen, slots, trajectories = step_rollouts.chosen, step_rollouts.slots, step_rollouts.trajectories
+        tree = step_rollouts.tree
+        questions = [self.train_set[chosen[s]] for s in slots]
         answers = [q.answer for q in questions for _ in range(g)]
         correct = [t.answer == a for t, a in zip(trajectories, answers, strict=True)]
         group_ids = [s for s in slots for _ in range(g)]
@@ -256,16 +242,7 @@ class ToolGRPOTrainer(Trainer):
             "groups_kept": keep.float().mean(),
             "trained_sequences": trained,
         }
-        if tree is not None:
-            metrics |= {
-                "prefill_tokens": tree.prefill_tokens / len(questions),
-                "decoded_tokens": tree.decoded_tokens / len(questions),
-                "tree_nodes": sum(len(t) for t in tree.trees) / len(questions),
-                "branch_points": tree.branch_points / len(questions),
-            }
-        if partial is not None:
-            metrics |= partial.metrics
-        return metrics
+        return metrics | step_rollouts.metrics
 
     def advantages(
         self, tree: TreeRollout | None, rewards: torch.Tensor, slots: list[int], keep: torch.Tensor

@@ -1,6 +1,6 @@
 """One assistant turn for a batch of conversations on vLLM: the rollout engine's `backend: vllm`.
 
-`vlm_rl.rollout` keeps the conversations (token ids, images, masks, tool calls); a turn generator
+`vlm_rl.conversation` keeps the conversations (token ids, images, masks, tool calls); a turn generator
 only continues each conversation until a stop token, as `VLMAdapter.generate_turn` does with
 transformers. So a trajectory has the same form whichever backend sampled it, and the trainer scores
 it with the transformers policy either way.
