@@ -10,7 +10,7 @@ weights, which is all that speed and memory depend on. The families register the
 - ``tree``: flat GRPO against BranchGRPO on SD3.5-Medium (seconds per iteration, peak memory), and
   the `--dry-run` memory plan against the measured peak (target: within 20%);
 - ``vlm``: Qwen2.5-VL-3B rollout tokens per second, batched transformers against vLLM (target: vLLM at
-  least 3x) (`vlm_rl.gpu_bench`).
+  least 3x) (`vlm_rl.bench.gpu_rollouts`).
 
 Without CUDA it says so in one line and returns; ``device=cpu scale=tiny`` runs the same code on the
 tiny replicas. Random-weight checkpoints the sections train or serve from are written once to

@@ -374,7 +374,7 @@ def test_a_resumed_partial_run_repeats_the_uninterrupted_one(tmp_path):
 
 
 def test_bench_rows_put_partial_and_synchronous_side_by_side(policy, capsys):
-    from vlm_rl.speed_bench import _partial_rows
+    from vlm_rl.bench.rollout_speed import _partial_rows
 
     sync, partial = _partial_rows(policy, groups=2, steps=2)
     assert (sync["variant"], partial["variant"]) == ("synchronous rollouts", "partial rollouts (APRIL)")

@@ -356,7 +356,7 @@ def test_the_update_uses_the_policy_loss_train_loss_names(vlm, tmp_path, monkeyp
 
 
 def test_bench_vlm_compares_the_same_conversations(tmp_path, vlm, capsys):
-    from vlm_rl.speed_bench import bench_vlm
+    from vlm_rl.bench.rollout_speed import bench_vlm
 
     vlm.save_pretrained(tmp_path)
     rows = bench_vlm(rollouts=6, model=str(tmp_path), vllm=False, partial_steps=0, tree_steps=0)

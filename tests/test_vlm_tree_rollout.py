@@ -433,8 +433,8 @@ def test_shared_prefix_scoring_trains_like_the_unshared_update(tmp_path, rollout
 
 
 def test_tree_bench_rows_count_prefill_and_trained_tokens(capsys):
+    from vlm_rl.bench.tree_steps import tree_vs_flat_rows
     from vlm_rl.eval_benchmarks import resolve_model
-    from vlm_rl.tree_bench import tree_vs_flat_rows
 
     rows = tree_vs_flat_rows(resolve_model(None), steps=1, branching="[2,2]", questions=2, group_size=4)
     flat, shared, tree = rows

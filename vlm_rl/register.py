@@ -11,7 +11,7 @@ provide(
     "vlm_rl.vision",
     "vlm_rl.rewards",
     "vlm_rl.replicas",
-    "vlm_rl.speed_bench",
-    "vlm_rl.gpu_bench",
+    "vlm_rl.bench.rollout_speed",
+    "vlm_rl.bench.gpu_rollouts",
     "vlm_rl.eval_benchmarks",
 )

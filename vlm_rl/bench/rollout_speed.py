@@ -1,6 +1,6 @@
 """`mmrl bench vlm`: the batched multi-turn rollout engine against a per-sample loop, side by side,
 partial rollouts (APRIL) against synchronous ones, and tree rollouts against flat groups in whole
-training steps (`vlm_rl.tree_bench`).
+training steps (`vlm_rl.bench.tree_steps`).
 
 Both run the same multi-turn procedure (generate, crop, show the crop, generate) with the same model,
 questions and keyed sampling noise, so they produce the same conversations; the baseline rolls out
@@ -38,6 +38,7 @@ from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
 from mmrl.partial import groups_in_flight
 from mmrl.registry import BENCHES
+from vlm_rl.bench.tree_steps import tree_vs_flat_rows
 from vlm_rl.config import PartialRolloutConfig, ToolRolloutConfig
 from vlm_rl.conversation import Trajectory, TurnGenerator
 from vlm_rl.data import DataConfig, QuestionSet
@@ -45,7 +46,6 @@ from vlm_rl.eval_benchmarks import resolve_model
 from vlm_rl.models import VLMAdapter
 from vlm_rl.rollout import generate, rollout
 from vlm_rl.schedules import CarriedGroups
-from vlm_rl.tree_bench import tree_vs_flat_rows
 from vlm_rl.vllm_engine import INSTALL_HINT, vllm_available
 
 TARGET = 3.0

@@ -14,11 +14,11 @@ import torch
 
 from mmrl.bench_gpu import GpuBenchOptions
 from mmrl.registry import GPU_BENCH_SECTIONS
+from vlm_rl.bench.rollout_speed import tokens_per_second, vllm_row
 from vlm_rl.config import ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.models import VLMAdapter
 from vlm_rl.replicas import qwen25vl_3b
-from vlm_rl.speed_bench import tokens_per_second, vllm_row
 
 VLLM_TARGET = 3.0
 KV_CACHE_GIB = 16.0  # vLLM's cache at full size: room for every conversation at once
