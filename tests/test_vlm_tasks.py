@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vlm_rl.question_jsonl import read_benchmark, read_row, write_benchmark
+from vlm_rl.readability import readability
 from vlm_rl.tasks import (
     BACKGROUND,
     CATEGORIES,
@@ -19,7 +20,6 @@ from vlm_rl.tasks import (
     heldout_pairs,
     make_example,
     make_examples,
-    readability,
     region_of,
     view,
 )
@@ -160,7 +160,7 @@ def test_small_shapes_need_a_zoom_and_large_ones_do_not():
     assert result.detail_crop >= 0.9
     assert result.global_shape >= 0.95 and result.global_colour == 1.0 and result.colour_error < 0.05
     # result.detail_overview_matched is close to 1: a reader that inverts the known rendering still
-    # reads the shape from the noise-free overview (see the vlm_rl.tasks docstring)
+    # reads the shape from the noise-free overview (see the vlm_rl.readability docstring)
 
 
 def test_view_keeps_aspect_and_checks_boxes():

@@ -15,14 +15,7 @@ Questions have 4 options (letters A-D), one of them right:
   overview and clear in a crop of its region. There is no detail colour question: a blob's colour
   stays readable in the overview, so such a question would not need a zoom.
 
-`readability` checks both claims with two fixed nearest-template readers (no learning), told the
-object's colour and where it is. The silhouette reader (the pixels a view shows at least half covered)
-reads a small object's shape near chance from the overview (0.41; chance 0.25) and reliably from a crop
-(1.0).
-The matched reader, which inverts the known drawing and resizing, reads it from the overview as well
-(1.0): the noise-free overview still holds the shape in its grey levels, so a model could in
-principle learn to answer detail questions without a zoom. Large shapes read perfectly from the
-overview with either.
+`vlm_rl.readability` checks both claims with fixed readers.
 
 Scene rules (fractions of the side, x from the left, y from the top):
 
@@ -84,25 +77,21 @@ LARGE_SIZE = (0.24, 0.32)  # equal-area circle diameter, fraction of the side
 SMALL_SIZE = (0.026, 0.032)
 MAX_LARGE = 3
 SMALL_COUNT = (3, 6)
-_GAP = 0.03  # least distance between the bounding boxes of two objects
+GAP = 0.03  # least distance between the bounding boxes of two objects
 _BORDER = 0.02  # least distance from a large shape to the image border
 _CELL_MARGIN = 0.02  # least distance from a small object to the edges of its region
 _HELDOUT_PAIR_COUNT = 4
 _CROSS_ARM = 0.36  # half-width of a cross's bar, relative to its half-extent
 # half-extent of each shape relative to the radius of the circle of equal area
-_HALF_EXTENT = {
+HALF_EXTENT = {
     "circle": 1.0,
     "square": math.sqrt(math.pi) / 2,
     "triangle": math.sqrt(math.pi / 2),  # base and height both twice the half-extent
     "cross": math.sqrt(math.pi / (8 * _CROSS_ARM - 4 * _CROSS_ARM**2)),
 }
-_RESAMPLE = Image.Resampling.BICUBIC
+RESAMPLE = Image.Resampling.BICUBIC
 _COLOUR_LABELS = {name: i + 1 for i, name in enumerate(COLOURS)}
 _PALETTE = [round(255 * v) for colour in (BACKGROUND, *COLOURS.values()) for v in colour]
-_SUBSAMPLES = 4  # per pixel side, when the silhouette reader draws its templates
-# a template pixel is in the silhouette from this fraction covered: resizing blurs edges, so a pixel
-# must be mostly covered to reach coverage 0.5 in a view (the value of the range tried that read crops best)
-_TEMPLATE_FILL = 0.7
 
 
 class SceneObject(NamedTuple):
@@ -116,7 +105,7 @@ class SceneObject(NamedTuple):
     @property
     def box(self) -> Box:
         """The object's bounding box: every pixel it covers lies inside."""
-        h = _HALF_EXTENT[self.shape] * self.size / 2
+        h = HALF_EXTENT[self.shape] * self.size / 2
         return (self.x - h, self.y - h, self.x + h, self.y + h)
 
 
@@ -276,7 +265,7 @@ def _place_large(rng: np.random.Generator, kinds: list[tuple[str, str]]) -> tupl
     placed: list[SceneObject] = []
     for colour, shape in kinds:
         size = float(rng.uniform(*LARGE_SIZE))
-        h = _HALF_EXTENT[shape] * size / 2
+        h = HALF_EXTENT[shape] * size / 2
         for _ in range(50):
             x, y = rng.uniform(h + _BORDER, 1 - h - _BORDER, size=2)
             obj = SceneObject(colour, shape, float(x), float(y), size, True)
@@ -297,7 +286,7 @@ def _place_small(rng: np.random.Generator, large: tuple[SceneObject, ...]) -> tu
     ):
         colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
         size = float(rng.uniform(*SMALL_SIZE))
-        h = _HALF_EXTENT[shape] * size / 2
+        h = HALF_EXTENT[shape] * size / 2
         x1, y1, x2, y2 = REGIONS[_REGION_NAMES[cell]]
         for _ in range(20):
             x = float(rng.uniform(x1 + _CELL_MARGIN + h, x2 - _CELL_MARGIN - h))
@@ -312,7 +301,7 @@ def _place_small(rng: np.random.Generator, large: tuple[SceneObject, ...]) -> tu
 def _near(a: SceneObject, b: SceneObject) -> bool:
     """Whether the bounding boxes of two objects come closer than the gap."""
     (ax1, ay1, ax2, ay2), (bx1, by1, bx2, by2) = a.box, b.box
-    return ax1 < bx2 + _GAP and bx1 < ax2 + _GAP and ay1 < by2 + _GAP and by1 < ay2 + _GAP
+    return ax1 < bx2 + GAP and bx1 < ax2 + GAP and ay1 < by2 + GAP and by1 < ay2 + GAP
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +316,7 @@ def render(objects: Sequence[SceneObject], canvas_size: int = 448) -> Image.Imag
         left, top, right, bottom = int(x1), int(y1), math.ceil(x2), math.ceil(y2)
         dx = (np.arange(left, right) + 0.5) / canvas_size - obj.x
         dy = (np.arange(top, bottom) + 0.5) / canvas_size - obj.y
-        mask = _shape_mask(obj.shape, dx[None, :], dy[:, None], obj.size / 2)
+        mask = shape_mask(obj.shape, dx[None, :], dy[:, None], obj.size / 2)
         labels[top:bottom, left:right][mask] = _COLOUR_LABELS[obj.colour]
     image = Image.fromarray(labels, mode="P")
     image.putpalette(_PALETTE)
@@ -344,12 +333,12 @@ def view(image: Image.Image, box: Box = FULL_BOX, size: int = 112) -> Image.Imag
     pixels = (x1 * width, y1 * height, x2 * width, y2 * height)
     scale = size / max(pixels[2] - pixels[0], pixels[3] - pixels[1])
     out = (max(1, round((pixels[2] - pixels[0]) * scale)), max(1, round((pixels[3] - pixels[1]) * scale)))
-    return image.resize(out, _RESAMPLE, box=pixels)
+    return image.resize(out, RESAMPLE, box=pixels)
 
 
-def _shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, radius: float) -> np.ndarray:
+def shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, radius: float) -> np.ndarray:
     """Pixels inside a shape of equal-area radius `radius`, from their offsets to its box centre."""
-    h = _HALF_EXTENT[shape] * radius
+    h = HALF_EXTENT[shape] * radius
     if shape == "circle":
         return dx**2 + dy**2 <= h**2
     if shape == "square":
@@ -360,163 +349,3 @@ def _shape_mask(shape: str, dx: np.ndarray, dy: np.ndarray, radius: float) -> np
         arm = _CROSS_ARM * h
         return ((np.abs(dx) <= arm) & (np.abs(dy) <= h)) | ((np.abs(dy) <= arm) & (np.abs(dx) <= h))
     raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Is a zoom needed? Fixed nearest-template readers
-
-
-@dataclass(frozen=True)
-class Readability:
-    """Fractions of questions a fixed reader gets right, by view.
-
-    `*_matched` use the pipeline-matched reader, an upper bound on what a view still holds (see
-    `read_shape`); the others read the silhouette as the view shows it.
-    """
-
-    detail_overview: float  # small object's shape, from the overview
-    detail_crop: float  # small object's shape, from a crop of its region at the same view size
-    detail_overview_matched: float
-    detail_crop_matched: float
-    global_shape: float  # large shape's shape, from the overview
-    global_colour: float  # large shape's colour (mean over its interior) nearest to the truth
-    colour_error: float  # largest channel error (0-1) of that mean colour
-    n_detail: int
-    n_global: int
-
-
-def readability(examples: Sequence[ZoomExample], view_size: int = 112) -> Readability:
-    """How well fixed readers answer each question from the overview, and detail ones from a crop.
-
-    The readers are told the object's colour and a window around it in every view, so the views
-    differ only in resolution. NaN where the examples hold no question of a kind.
-    """
-    hits: dict[str, list[bool]] = {name: [] for name in ("overview", "crop", "overview_m", "crop_m", "shape")}
-    colours, errors = [], []
-    for example in examples:
-        image, obj, size = example.image, example.objects[example.target], example.canvas_size
-        overview = view(image, FULL_BOX, view_size)
-        if example.needs_zoom:
-            crop = view(image, example.target_box, view_size)
-            views = (("overview", overview, FULL_BOX), ("crop", crop, example.target_box))
-            for name, image_view, source in views:
-                hits[name].append(read_shape(image_view, source, obj, size) == obj.shape)
-                hits[name + "_m"].append(read_shape(image_view, source, obj, size, matched=True) == obj.shape)
-        else:
-            colour = _interior_colour(overview, obj)
-            nearest = min(COLOURS, key=lambda name: float(np.sum((np.array(COLOURS[name]) - colour) ** 2)))
-            hits["shape"].append(read_shape(overview, FULL_BOX, obj, size) == obj.shape)
-            colours.append(nearest == obj.colour)
-            errors.append(float(np.max(np.abs(colour - np.array(COLOURS[obj.colour])))))
-    fractions = [float(np.mean(h)) if h else math.nan for h in (*hits.values(), colours)]
-    return Readability(
-        *fractions,
-        colour_error=max(errors, default=math.nan),
-        n_detail=len(hits["overview"]),
-        n_global=len(colours),
-    )
-
-
-def read_shape(
-    image_view: Image.Image, source: Box, obj: SceneObject, canvas_size: int, matched: bool = False
-) -> str:
-    """Which shape the object seems to be in a view of the canvas box `source` (nearest template).
-
-    Only the object's colour and a window around its box (half the gap wider, so no other object
-    enters) are used. The object's coverage of each view pixel is the pixel's projection onto the
-    line from background to colour. The default reader takes the silhouette as the view shows it
-    (coverage >= 0.5) and picks the shape whose mask, fitted to the silhouette's bounding box and
-    sampled at the view's pixels, overlaps it best (IoU). The matched reader (`matched=True`) inverts
-    the rendering instead: it draws each shape at canvas resolution, with the coverage's centroid and
-    area, resizes it exactly as the view was made, and picks the least squared difference; on these
-    noise-free images it reads far more than a glance at the view shows.
-    """
-    scale_x = image_view.width / ((source[2] - source[0]) * canvas_size)  # view pixels per canvas pixel
-    scale_y = image_view.height / ((source[3] - source[1]) * canvas_size)
-    x1, y1, x2, y2 = obj.box
-    left = max(math.floor(((x1 - _GAP / 2) - source[0]) * canvas_size * scale_x), 0)
-    top = max(math.floor(((y1 - _GAP / 2) - source[1]) * canvas_size * scale_y), 0)
-    right = min(math.ceil(((x2 + _GAP / 2) - source[0]) * canvas_size * scale_x), image_view.width)
-    bottom = min(math.ceil(((y2 + _GAP / 2) - source[1]) * canvas_size * scale_y), image_view.height)
-    pixels = np.asarray(image_view, dtype=np.float32)[top:bottom, left:right] / 255
-    background = np.array(BACKGROUND, dtype=np.float32)
-    direction = np.array(COLOURS[obj.colour], dtype=np.float32) - background
-    coverage = (pixels - background) @ direction / float(direction @ direction)
-    if coverage.max() <= 0:
-        return SHAPES[0]
-    if not matched:
-        return _read_silhouette(coverage)
-    origin = (source[0] * canvas_size + left / scale_x, source[1] * canvas_size + top / scale_y)
-    return _read_matched(coverage, origin, (scale_x, scale_y))
-
-
-def _read_silhouette(coverage: np.ndarray) -> str:
-    """Nearest silhouette by IoU: each shape fitted to the silhouette's bounding box and drawn at the
-    view's pixels, a pixel being in when the shape covers _TEMPLATE_FILL of it."""
-    silhouette = coverage >= min(0.5, 0.5 * coverage.max())
-    rows, columns = np.nonzero(silhouette)
-    centre_x, centre_y = (columns.min() + columns.max() + 1) / 2, (rows.min() + rows.max() + 1) / 2
-    half = max(columns.max() + 1 - columns.min(), rows.max() + 1 - rows.min()) / 2
-    sub = (np.arange(_SUBSAMPLES) + 0.5) / _SUBSAMPLES  # sample points inside a pixel
-    dx = (np.arange(coverage.shape[1])[:, None] + sub).ravel() - centre_x
-    dy = (np.arange(coverage.shape[0])[:, None] + sub).ravel() - centre_y
-    height, width = coverage.shape
-
-    def overlap(shape: str) -> float:
-        fine = _shape_mask(shape, dx[None, :], dy[:, None], half / _HALF_EXTENT[shape])
-        area = fine.reshape(height, _SUBSAMPLES, width, _SUBSAMPLES).mean(axis=(1, 3))
-        template = area >= _TEMPLATE_FILL
-        return float((template & silhouette).sum() / (template | silhouette).sum())
-
-    return max(SHAPES, key=overlap)
-
-
-def _read_matched(coverage: np.ndarray, origin: tuple[float, float], scale: tuple[float, float]) -> str:
-    """Nearest template drawn at canvas resolution and resized like the view (canvas-pixel units)."""
-    mass = float(coverage.sum())
-    if mass <= 0:
-        return SHAPES[0]
-    rows, columns = np.indices(coverage.shape) + 0.5
-    centre_x = origin[0] + float((coverage * columns).sum()) / mass / scale[0]
-    centre_y = origin[1] + float((coverage * rows).sum()) / mass / scale[1]
-    radius = math.sqrt(mass / (scale[0] * scale[1]) / math.pi)
-    window = (
-        origin[0],
-        origin[1],
-        origin[0] + coverage.shape[1] / scale[0],
-        origin[1] + coverage.shape[0] / scale[1],
-    )
-
-    def mismatch(shape: str) -> float:
-        # a triangle's centroid lies a third of its half-extent below its box centre
-        offset = _HALF_EXTENT[shape] * radius / 3 if shape == "triangle" else 0.0
-        template = _template(shape, centre_x, centre_y - offset, radius, window, coverage.shape)
-        return float(np.sum((template - coverage) ** 2))
-
-    return min(SHAPES, key=mismatch)
-
-
-def _template(
-    shape: str, centre_x: float, centre_y: float, radius: float, window: Box, out_shape: tuple[int, ...]
-) -> np.ndarray:
-    """A shape drawn at canvas resolution (canvas-pixel coordinates) and resized like the view."""
-    pad = 8 + math.ceil(_HALF_EXTENT[shape] * radius)
-    left, top = math.floor(window[0]) - pad, math.floor(window[1]) - pad
-    right, bottom = math.ceil(window[2]) + pad, math.ceil(window[3]) + pad
-    dx = np.arange(left, right, dtype=np.float32) + 0.5 - centre_x
-    dy = np.arange(top, bottom, dtype=np.float32) + 0.5 - centre_y
-    mask = _shape_mask(shape, dx[None, :], dy[:, None], radius).astype(np.float32)
-    box = (window[0] - left, window[1] - top, window[2] - left, window[3] - top)
-    return np.asarray(
-        Image.fromarray(mask, mode="F").resize((out_shape[1], out_shape[0]), _RESAMPLE, box=box)
-    )
-
-
-def _interior_colour(image_view: Image.Image, obj: SceneObject) -> np.ndarray:
-    """Mean colour (0-1) of the view's pixels inside the inner 70 % of a shape (away from its edges)."""
-    pixels = np.asarray(image_view, dtype=np.float32) / 255
-    height, width = pixels.shape[:2]
-    dx = (np.arange(width) + 0.5) / width - obj.x
-    dy = (np.arange(height) + 0.5) / height - obj.y
-    mask = _shape_mask(obj.shape, dx[None, :], dy[:, None], 0.7 * obj.size / 2)
-    return pixels[mask].mean(axis=0)
