@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 
-from mmrl.bench_all import check_counts
+from mmrl.bench_all import check_counts, print_table
 from mmrl.config import ConfigError
 from mmrl.noise import NoiseKey
 from mmrl.partial import groups_in_flight
 from mmrl.registry import BENCHES
+from vlm_rl.bench import print_ratios
 from vlm_rl.bench.tree_steps import tree_vs_flat_rows
 from vlm_rl.config import PartialRolloutConfig, ToolRolloutConfig
 from vlm_rl.conversation import Trajectory, TurnGenerator
@@ -123,9 +124,8 @@ def _partial_rows(adapter: VLMAdapter, groups: int, steps: int) -> list[dict[str
         }
         for arm in range(2)
     ]
-    ratio = rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
     rows[1] |= {
-        "ratio": ratio,
+        "ratio": rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
         "target": PARTIAL_TARGET,
         "target_op": ">=",
         "staleness_mean": sum(m["partial_staleness_mean"] for m in timed) / len(timed),
@@ -137,15 +137,21 @@ def _partial_rows(adapter: VLMAdapter, groups: int, steps: int) -> list[dict[str
         f"partial vs synchronous rollouts: {groups} trained groups of {g} per step, {steps} timed steps "
         f"after {PARTIAL_WARMUP}, held-out questions with {PARTIAL_DETAIL:.0%} needing a zoom"
     )
-    print(f"{'variant':<28}{'trained tokens':>15}{'tokens/s':>11}{'staleness':>11}{'old tokens':>12}")
-    for row in rows:
-        staleness = f"{row['staleness_mean']:.2f}" if "staleness_mean" in row else "-"
-        old = f"{row['old_token_fraction']:.2f}" if "old_token_fraction" in row else "-"
-        print(
-            f"{row['variant']:<28}{row['tokens']:>15}{row['tokens_per_second']:>11.1f}{staleness:>11}{old:>12}"
-        )
-    verdict = "PASS" if ratio >= PARTIAL_TARGET else "FAIL"
-    print(f"partial / synchronous: {ratio:.2f}x  {verdict} (>= {PARTIAL_TARGET}x)")
+    print_table(
+        "partial vs synchronous rollouts, trained tokens",
+        ["variant", "trained tokens", "tokens/s", "staleness", "old tokens"],
+        [
+            [
+                row["variant"],
+                str(row["tokens"]),
+                f"{row['tokens_per_second']:.1f}",
+                f"{row['staleness_mean']:.2f}" if "staleness_mean" in row else "-",
+                f"{row['old_token_fraction']:.2f}" if "old_token_fraction" in row else "-",
+            ]
+            for row in rows
+        ],
+    )
+    print_ratios("partial / synchronous trained tokens per second", rows)
     return rows
 
 
@@ -184,8 +190,11 @@ def bench_vlm(
         tool = sum(t.used_tool for t in trajectories) / len(trajectories)
         rows.append({"variant": label, "tokens_per_second": rate, "tokens": tokens, "tool_ratio": tool})
         conversations.append([t.sequence.token_ids for t in trajectories])
-    ratio = rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
-    rows[1] |= {"ratio": ratio, "target": TARGET, "target_op": ">="}
+    rows[1] |= {
+        "ratio": rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"],
+        "target": TARGET,
+        "target_op": ">=",
+    }
     timed = (
         vllm_row(adapter, path, questions, cfg, rows[1]["tokens_per_second"])
         if vllm
@@ -200,13 +209,20 @@ def bench_vlm(
     else:
         vllm_note = timed
     print(f"model: {name}; {rollouts} rollouts, up to {cfg.max_turns} turns of {cfg.max_new_tokens} tokens")
-    print(f"{'variant':<28}{'tokens':>8}{'tokens/s':>11}{'tool use':>10}")
-    for row in rows:
-        print(
-            f"{row['variant']:<28}{row['tokens']:>8}{row['tokens_per_second']:>11.1f}{row['tool_ratio']:>10.2f}"
-        )
-    verdict = "PASS" if ratio >= TARGET else "FAIL"
-    print(f"batched / per-sample: {ratio:.2f}x  {verdict} (>= {TARGET:.0f}x)")
+    print_table(
+        "rollout engines, generated tokens",
+        ["variant", "tokens", "tokens/s", "tool use"],
+        [
+            [
+                row["variant"],
+                str(row["tokens"]),
+                f"{row['tokens_per_second']:.1f}",
+                f"{row['tool_ratio']:.2f}",
+            ]
+            for row in rows
+        ],
+    )
+    print_ratios("batched / per-sample tokens per second", rows)
     same = conversations[0] == conversations[1]
     print("the same conversations in both (keyed sampling): " + ("yes" if same else "NO: compare with care"))
     rows[1]["same_conversations"] = same

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mmrl.bench_all import print_table
 from mmrl.config import load_config
+from vlm_rl.bench import print_ratios
 from vlm_rl.trainer import ToolGRPOTrainer
 
 PREFILL_TARGET = 0.5
@@ -101,30 +103,30 @@ def tree_vs_flat_rows(
             for run in runs.values():
                 run.step(step, timed=step > 0)
     flat, shared, tree_row = (run.row(label) for label, run in runs.items())
-    prefill = tree_row["prefill_tokens"] / max(flat["prefill_tokens"], 1)
-    wall = tree_row["ms_per_trained_token"] / flat["ms_per_trained_token"]
     tree_row |= {
-        "prefill_ratio": prefill,
+        "prefill_ratio": tree_row["prefill_tokens"] / max(flat["prefill_tokens"], 1),
         "prefill_target": PREFILL_TARGET,
-        "wall_per_trained_token_ratio": wall,
-        "wall_target": WALL_TARGET,
+        "wall_per_trained_token_ratio": tree_row["ms_per_trained_token"] / flat["ms_per_trained_token"],
+        "wall_per_trained_token_target": WALL_TARGET,
         "wall_ratio_to_shared_flat": tree_row["ms_per_trained_token"] / shared["ms_per_trained_token"],
     }
-    print(
-        f"tree vs flat tool_grpo steps: {steps} timed steps each of {questions} questions x {group_size} "
-        "leaves, alternating"
+    rows = [flat, shared, tree_row]
+    print_table(
+        f"tree vs flat tool_grpo steps ({steps} timed, {questions} questions x {group_size} leaves each)",
+        ["variant", "prefill", "trained tok", "seconds", "ms/trained tok", "tool use"],
+        [
+            [
+                row["variant"],
+                str(row["prefill_tokens"]),
+                str(row["trained_tokens"]),
+                f"{row['seconds']:.1f}",
+                f"{row['ms_per_trained_token']:.2f}",
+                f"{row['tool_ratio']:.2f}",
+            ]
+            for row in rows
+        ],
     )
-    header = ("variant", "prefill", "trained tok", "seconds", "ms/trained tok", "tool use")
-    print("{:<26}{:>10}{:>13}{:>9}{:>16}{:>10}".format(*header))
-    for row in (flat, shared, tree_row):
-        print(
-            f"{row['variant']:<26}{row['prefill_tokens']:>10}{row['trained_tokens']:>13}{row['seconds']:>9.1f}"
-            f"{row['ms_per_trained_token']:>16.2f}{row['tool_ratio']:>10.2f}"
-        )
-    print(
-        f"tree / flat prefill tokens: {prefill:.2f}x  {'PASS' if prefill <= PREFILL_TARGET else 'FAIL'} "
-        f"(<= {PREFILL_TARGET}x); wall-clock per trained token: {wall:.2f}x  "
-        f"{'PASS' if wall <= WALL_TARGET else 'FAIL'} (<= {WALL_TARGET}x); against flat with a shared "
-        f"prompt: {tree_row['wall_ratio_to_shared_flat']:.2f}x"
-    )
-    return [flat, shared, tree_row]
+    print_ratios("tree / flat prefill tokens and wall-clock per trained token", rows)
+    shared_ratio = tree_row["wall_ratio_to_shared_flat"]
+    print(f"tree / flat with a shared prompt, wall-clock per trained token: {shared_ratio:.2f}x")
+    return rows
