@@ -20,6 +20,7 @@ from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
 from vlm_rl.models import Segment, TinyVLMSpec, VLMAdapter
 from vlm_rl.rollout import rollout, tree_rollout
+from vlm_rl.schedules import StepGroups
 from vlm_rl.vllm_engine import vllm_available
 
 load_plugins()
@@ -147,7 +148,7 @@ def test_tree_rollouts_share_prefixes_through_the_cache(policy_and_engine):
     cfg = ToolRolloutConfig(max_new_tokens=12, temperature=0.7, tree=tree)
     engine.llm.reset_prefix_cache()
     counted = CountedTurns(engine)
-    out = tree_rollout(policy, questions, 4, cfg, 0, 1, [0, 1], engine=counted)
+    out = tree_rollout(policy, questions, cfg, StepGroups(0, 1, 4, [0, 1]), engine=counted)
     assert len(out.leaves) == 8 and len({tuple(t.sequence.token_ids) for t in out.leaves}) == 8
     assert out.prefill_tokens == sum(prefill for _, _, prefill in counted.calls)
     assert len(counted.calls) >= 2
@@ -168,7 +169,9 @@ def test_tree_rollouts_share_prefixes_through_the_cache(policy_and_engine):
             atol=1e-4,
             rtol=0,
         )
-    again = tree_rollout(policy, questions, 4, cfg, 0, 1, [0, 1], engine=engine)  # all of it cached now
+    again = tree_rollout(
+        policy, questions, cfg, StepGroups(0, 1, 4, [0, 1]), engine=engine
+    )  # all of it cached now
     assert [t.sequence.token_ids for t in again.leaves] == [t.sequence.token_ids for t in out.leaves]
     assert again.prefill_tokens < out.prefill_tokens
 

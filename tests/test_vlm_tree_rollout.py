@@ -18,6 +18,7 @@ from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
 from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, VLMAdapter, shared_prefixes
 from vlm_rl.rollout import rollout, tree_rollout
+from vlm_rl.schedules import StepGroups
 from vlm_rl.trainer import ToolGRPOTrainer, load_policy
 
 load_plugins()
@@ -78,7 +79,7 @@ def test_a_flat_branching_is_the_flat_rollout(policy, questions, monkeypatch):
     """branching [G]: the same tokens and log-probs as `rollout` under the same keys; only the first
     turn's prompt is prefilled once per question instead of G times."""
     g, slots, cfg = 4, [0, 3, 1, 2], tree_cfg([4])
-    tree = tree_rollout(policy, questions, g, cfg, seed=7, step=2, slots=slots)
+    tree = tree_rollout(policy, questions, cfg, StepGroups(seed=7, step=2, group_size=g, slots=slots))
     keys = [NoiseKey(7, 2, s * g + j, 0) for s in slots for j in range(g)]
     prefilled, generate_turn = [], policy.generate_turn
 
@@ -109,9 +110,7 @@ def test_a_flat_branching_is_the_flat_rollout(policy, questions, monkeypatch):
 def test_every_question_ends_with_its_group_of_leaves(policy, questions, branching, group_size):
     """Slots are shared out in order at every split, a branch that ends early hands its spare slots
     back as a fresh branch of its parent, and each slot ends in exactly one leaf."""
-    tree = tree_rollout(
-        policy, questions, group_size, tree_cfg(branching), seed=0, step=1, slots=[0, 1, 2, 3]
-    )
+    tree = tree_rollout(policy, questions, tree_cfg(branching), StepGroups(0, 1, group_size, [0, 1, 2, 3]))
     assert len(tree.leaves) == len(questions) * group_size and all(t.ended for t in tree.leaves)
     refills = 0
     for i, t in enumerate(tree.trees):
@@ -136,7 +135,7 @@ def test_every_question_ends_with_its_group_of_leaves(policy, questions, branchi
 
 def test_leaves_of_a_split_share_the_parent_exactly(policy, questions):
     g = 8
-    tree = tree_rollout(policy, questions, g, tree_cfg([4, 2]), seed=0, step=1, slots=[0, 1, 2, 3])
+    tree = tree_rollout(policy, questions, tree_cfg([4, 2]), StepGroups(0, 1, g, [0, 1, 2, 3]))
     splits = 0
     for i, t in enumerate(tree.trees):
         for parent in t.nodes[1:]:
@@ -166,7 +165,7 @@ def test_siblings_sample_afresh(questions):
     """Every split's children draw their own tokens (an untrained model, split every 3 tokens)."""
     model = VLMAdapter.tiny(task_vocabulary(DATA, samples=50))
     cfg = tree_cfg([2, 2, 2], segment_tokens=3, max_new_tokens=9)
-    tree = tree_rollout(model, questions[:2], 8, cfg, seed=0, step=0, slots=[0, 1])
+    tree = tree_rollout(model, questions[:2], cfg, StepGroups(0, 0, 8, [0, 1]))
     groups = 0
     for t in tree.trees:
         for parent in t.nodes:
@@ -187,7 +186,7 @@ def test_quota_refill_keys_prefix_groups_and_node_advantages(policy, questions):
         return TOOL if (prompt - s * g, call) == (0, 0) else ANSWER
 
     engine = ScriptedEngine(policy, script)
-    tree = tree_rollout(policy, questions[:1], g, tree_cfg([2, 2]), seed=0, step=0, slots=[s], engine=engine)
+    tree = tree_rollout(policy, questions[:1], tree_cfg([2, 2]), StepGroups(0, 0, g, [s]), engine=engine)
     (t,) = tree.trees
     root, a, b, a0, a1, r = range(6)
     assert [(n.parent_id, list(n.state.slots)) for n in t.nodes[1:]] == [
@@ -238,7 +237,7 @@ def test_a_turn_goes_on_across_segments_and_truncates_at_max_new_tokens(policy, 
 
     cfg = tree_cfg([1, 2], segment_tokens=1)
     tree = tree_rollout(
-        policy, questions[:1], 2, cfg, seed=0, step=0, slots=[0], engine=ScriptedEngine(policy, script)
+        policy, questions[:1], cfg, StepGroups(0, 0, 2, [0]), engine=ScriptedEngine(policy, script)
     )
     assert [x.turns for x in tree.leaves] == [1, 1] and [x.ended for x in tree.leaves] == ["answer"] * 2
     assert [x.answer for x in tree.leaves] == ["B", "B"] and tree.leaves[0].answer_text == ANSWER
@@ -249,7 +248,7 @@ def test_a_turn_goes_on_across_segments_and_truncates_at_max_new_tokens(policy, 
 
     cfg = tree_cfg([1, 2], segment_tokens=3, max_new_tokens=5)
     engine = ScriptedEngine(policy, rambling)
-    tree = tree_rollout(policy, questions[:1], 2, cfg, seed=0, step=0, slots=[0], engine=engine)
+    tree = tree_rollout(policy, questions[:1], cfg, StepGroups(0, 0, 2, [0]), engine=engine)
     assert [x.ended for x in tree.leaves] == ["truncated"] * 2 and [
         x.generated_tokens for x in tree.leaves
     ] == [5, 5]

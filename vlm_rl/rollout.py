@@ -32,7 +32,7 @@ from vlm_rl.conversation import (
 )
 from vlm_rl.data import Question
 from vlm_rl.models import VLMAdapter
-from vlm_rl.schedules import Conversation, Generated, Groups, Schedule, TreeRollout, Trees
+from vlm_rl.schedules import Conversation, Generated, Groups, Schedule, StepGroups, TreeRollout, Trees
 from vlm_rl.tools import ToolStats
 
 
@@ -107,16 +107,13 @@ def rollout(
 def tree_rollout(
     adapter: VLMAdapter,
     questions: Sequence[Question],
-    group_size: int,
     cfg: ToolRolloutConfig,
-    seed: int,
-    step: int,
-    slots: Sequence[int],
+    step_groups: StepGroups,
     engine: TurnGenerator | None = None,
 ) -> TreeRollout:
-    """`group_size` leaves per question, grown as trees (`cfg.tree`, `vlm_rl.schedules.Trees`);
-    `slots[i]` is question i's slot in the step."""
-    trees = Trees(adapter, questions, group_size, cfg, seed, step, slots)
+    """`step_groups.group_size` leaves per question, grown as trees (`cfg.tree`,
+    `vlm_rl.schedules.Trees`) and keyed by their group's slot."""
+    trees = Trees(adapter, questions, cfg, step_groups)
     return trees.tree_rollout(generate(adapter, trees, cfg, engine))
 
 

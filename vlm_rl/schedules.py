@@ -117,6 +117,23 @@ def launch_key(seed: int, step: int, slot: int, group_size: int, member: int) ->
     return NoiseKey(seed, step, slot * group_size + member, 0)
 
 
+@dataclass(frozen=True)
+class StepGroups:
+    """The groups a step launches: `group_size` conversations per question, question i's group in slot
+    `slots[i]`, keyed by the run's `seed` and the `step`; `chosen`: every process's question indices
+    (the step's `StepRollouts`)."""
+
+    seed: int
+    step: int
+    group_size: int
+    slots: Sequence[int]
+    chosen: Sequence[int] = ()
+
+    def key(self, i: int, member: int) -> NoiseKey:
+        """The launch key of member `member` of question i's group."""
+        return launch_key(self.seed, self.step, self.slots[i], self.group_size, member)
+
+
 @dataclass
 class Conversation:
     """One conversation of a group: its trajectory so far, its launch key, and how many of its tokens
@@ -147,17 +164,15 @@ class Groups:
         cls,
         adapter: VLMAdapter,
         questions: Sequence[Question],
-        group_size: int,
         cfg: ToolRolloutConfig,
-        seed: int,
-        step: int,
-        slots: Sequence[int],
-        chosen: Sequence[int] = (),
+        step_groups: StepGroups,
     ) -> Groups:
-        """`group_size` conversations per question; question i's group is slot `slots[i]`."""
-        trajectories = start_conversations(adapter, [q for q in questions for _ in range(group_size)], cfg)
-        keys = [launch_key(seed, step, s, group_size, j) for s in slots for j in range(group_size)]
-        return cls([Conversation(*row) for row in zip(trajectories, keys, strict=True)], chosen, slots)
+        """`step_groups.group_size` conversations per question, keyed by their group's slot."""
+        g = step_groups.group_size
+        trajectories = start_conversations(adapter, [q for q in questions for _ in range(g)], cfg)
+        keys = [step_groups.key(i, j) for i in range(len(questions)) for j in range(g)]
+        conversations = [Conversation(*row) for row in zip(trajectories, keys, strict=True)]
+        return cls(conversations, step_groups.chosen, step_groups.slots)
 
     def wave(self) -> list[Conversation]:
         return [c for c in self.conversations if not c.finished]
@@ -243,24 +258,19 @@ class Trees:
         self,
         adapter: VLMAdapter,
         questions: Sequence[Question],
-        group_size: int,
         cfg: ToolRolloutConfig,
-        seed: int,
-        step: int,
-        slots: Sequence[int],
-        chosen: Sequence[int] = (),
+        step_groups: StepGroups,
     ) -> None:
-        if len(slots) != len(questions):
-            raise ValueError(f"{len(slots)} slots for {len(questions)} questions")
-        self.group_size, self.branching = group_size, list(cfg.tree.branching)
-        self.segment_tokens = cfg.tree.segment_tokens
-        self.seed, self.step, self.slots, self.chosen = seed, step, list(slots), list(chosen)
+        if len(step_groups.slots) != len(questions):
+            raise ValueError(f"{len(step_groups.slots)} slots for {len(questions)} questions")
+        self.step_groups, self.group_size = step_groups, step_groups.group_size
+        self.branching, self.segment_tokens = list(cfg.tree.branching), cfg.tree.segment_tokens
         self.trees: list[RolloutTree] = []
         self.live: list[Branch] = []  # the nodes still generating
         self.leaf_of: dict[tuple[int, int], int] = {}  # (tree index, leaf slot) -> node id
         self.branch_points = 0
         for root in start_conversations(adapter, questions, cfg):  # the prompt, split at once
-            self.trees.append(RolloutTree(TreeSegment(root, 0, range(group_size), fresh=False)))
+            self.trees.append(RolloutTree(TreeSegment(root, 0, range(self.group_size), fresh=False)))
             self.branch(len(self.trees) - 1, 0)
 
     def wave(self) -> list[Branch]:
@@ -312,8 +322,7 @@ class Trees:
         child_id = self.trees[i].add_child(
             parent_id, TreeSegment(trajectory, len(trajectory.sequence), slots)
         )
-        key = launch_key(self.seed, self.step, self.slots[i], self.group_size, slots.start)
-        self.live.append(Branch(i, self.trees[i].nodes[child_id], key))
+        self.live.append(Branch(i, self.trees[i].nodes[child_id], self.step_groups.key(i, slots.start)))
 
     def close(self, i: int, node: Node) -> None:
         """The node stops generating: its edge gets its log-probs; an ended one becomes the leaf of its
@@ -358,7 +367,8 @@ class Trees:
             "tree_nodes": sum(len(t) for t in tree.trees) / questions,
             "branch_points": tree.branch_points / questions,
         }
-        return StepRollouts(self.chosen, self.slots, tree.leaves, tree, metrics)
+        chosen, slots = list(self.step_groups.chosen), list(self.step_groups.slots)
+        return StepRollouts(chosen, slots, tree.leaves, tree, metrics)
 
 
 @dataclass

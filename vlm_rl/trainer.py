@@ -50,7 +50,7 @@ from vlm_rl.data import QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
 from vlm_rl.rollout import generate, metrics_by_kind, rollout_metrics
-from vlm_rl.schedules import CarriedGroups, Groups, TreeRollout, Trees
+from vlm_rl.schedules import CarriedGroups, Groups, StepGroups, TreeRollout, Trees
 from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 
 
@@ -186,9 +186,10 @@ class ToolGRPOTrainer(Trainer):
         chosen = self.sampler.sample(n * world)  # the same on every process (same sampler state)
         slots = list(range(rank, n * world, world))
         questions = [self.train_set[chosen[s]] for s in slots]
+        step_groups = StepGroups(cfg.seed, step, g, slots, chosen)
         if cfg.rollout.tree.enabled:
-            return Trees(self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, chosen)
-        return Groups.start(self.adapter, questions, g, cfg.rollout, cfg.seed, step, slots, chosen)
+            return Trees(self.adapter, questions, cfg.rollout, step_groups)
+        return Groups.start(self.adapter, questions, cfg.rollout, step_groups)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
