@@ -51,7 +51,7 @@ class Case:
 
     recipe: str
     overrides: tuple[str, ...]
-    steps: int = 6
+    steps: int = 4
     checkpoint_every: int = 2
     robot: bool = False  # needs the robot extra (the simulator)
 
