@@ -17,7 +17,7 @@ from mmrl.partial import PartialGroups
 from vlm_rl.config import PartialRolloutConfig, ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.eval_benchmarks import resolve_model
-from vlm_rl.models import VLMAdapter
+from vlm_rl.loading import load
 from vlm_rl.rollout import generate, rollout
 from vlm_rl.schedules import CarriedGroups
 
@@ -152,7 +152,7 @@ DATA = DataConfig(heldout_size=64, heldout_detail_fraction=0.5)
 
 @pytest.fixture(scope="module")
 def policy():
-    adapter = VLMAdapter.from_pretrained(resolve_model(None))
+    adapter = load(resolve_model(None))
     adapter.model.eval()
     return adapter
 
@@ -356,7 +356,7 @@ def test_a_resumed_partial_run_repeats_the_uninterrupted_one(tmp_path):
     def run(out, steps, *extra):
         assert main(["train", "vlm/tool_grpo", f"output_dir={out}", f"steps={steps}", *args, *extra]) == 0
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        weights = VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        weights = load(out / "model").model.state_dict()
         return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
 
     straight_rows, straight = run(tmp_path / "straight", 3)

@@ -14,7 +14,7 @@ from mmrl.cli import load_plugins, main
 from mmrl.config import CONFIG_ROOT as CONFIGS
 from mmrl.config import ConfigError, load_config
 from mmrl.registry import REPLICAS, REWARDS, TRAINERS
-from vlm_rl.models import VLMAdapter
+from vlm_rl import loading as vlm_loading
 from vlm_rl.replicas import FULL as QWEN25VL_FULL
 from vlm_rl.replicas import build_full as build_qwen25vl
 
@@ -69,7 +69,7 @@ def test_replicas_load_as_the_real_pipelines_do_and_keep_their_structure(replica
 
 
 def test_the_qwen25vl_replica_loads_as_the_real_checkpoint_does_and_keeps_its_structure(replicas):
-    adapter = VLMAdapter.from_pretrained(replicas["qwen25vl_3b"])
+    adapter = vlm_loading.load(replicas["qwen25vl_3b"])
     config = adapter.model.config
     assert type(adapter.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     text, vision = config.get_text_config(), config.vision_config
@@ -188,7 +188,7 @@ def test_the_vlm_recipe_runs_an_iteration_on_its_replica(replicas, tmp_path, rec
     assert len(rows) == 1 and all(
         torch.isfinite(torch.tensor(v)) for v in rows[0].values() if isinstance(v, float)
     )
-    assert VLMAdapter.from_pretrained(tmp_path / "run" / "model").model.config.model_type == "qwen2_5_vl"
+    assert vlm_loading.load(tmp_path / "run" / "model").model.config.model_type == "qwen2_5_vl"
 
 
 def test_a_heldout_prompt_file_shorter_than_eval_prompts_is_refused(replicas, tmp_path):
@@ -214,9 +214,6 @@ def test_a_heldout_prompt_file_shorter_than_eval_prompts_is_refused(replicas, tm
 def test_fsdp_configs_wrap_blocks_the_models_have(replicas, launch, name):
     config = yaml.safe_load((CONFIGS / "accelerate" / f"{launch}.yaml").read_text())
     wrapped = config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"].split(",")
-    if name == "qwen25vl_3b":
-        model = VLMAdapter.from_pretrained(replicas[name]).model
-    else:
-        model = load(replicas[name]).denoiser
+    model = vlm_loading.load(replicas[name]).model if name == "qwen25vl_3b" else load(replicas[name]).denoiser
     classes = {type(module).__name__ for module in model.modules()}
     assert set(wrapped) <= classes, sorted(set(wrapped) - classes)

@@ -18,6 +18,7 @@ from mmrl.noise import NoiseKey
 from vlm_rl.config import ToolRolloutConfig, TreeRolloutConfig
 from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
+from vlm_rl.loading import load
 from vlm_rl.models import Segment, TinyVLMSpec, VLMAdapter
 from vlm_rl.rollout import rollout, tree_rollout
 from vlm_rl.schedules import StepGroups
@@ -44,7 +45,7 @@ def checkpoint(tmp_path_factory):
 def policy_and_engine(checkpoint):
     from vlm_rl.vllm_engine import VLLMTurnGenerator
 
-    policy = VLMAdapter.from_pretrained(checkpoint)
+    policy = load(checkpoint)
     policy.model.eval()
     engine = VLLMTurnGenerator(checkpoint, policy, max_model_len=1024, max_images=3, kv_cache_gib=0.25)
     return policy, engine
@@ -179,7 +180,7 @@ def test_tree_rollouts_share_prefixes_through_the_cache(policy_and_engine):
 @needs_vllm
 def test_new_weights_reach_the_engine(checkpoint, policy_and_engine, zoomed_conversations):
     policy, engine = policy_and_engine  # one engine per process: vLLM keeps global state
-    changed = VLMAdapter.from_pretrained(checkpoint)
+    changed = load(checkpoint)
     changed.model.eval()
     with torch.no_grad():
         for parameter in changed.model.parameters():

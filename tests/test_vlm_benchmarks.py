@@ -18,7 +18,8 @@ from vlm_rl.benchmark_rows import BenchmarkRow, RowError, make_question, read_li
 from vlm_rl.config import ToolRolloutConfig
 from vlm_rl.data import Question, question_text, tool_call_text
 from vlm_rl.eval_benchmarks import resolve_model, run_benchmark
-from vlm_rl.models import Generation, VLMAdapter
+from vlm_rl.loading import load
+from vlm_rl.models import Generation
 from vlm_rl.scoring import Outcome, RowResult, extract_choice, hrbench_score, score_results
 from vlm_rl.tools import ToolStats
 
@@ -245,7 +246,7 @@ def test_image_that_fails_to_decode_is_skipped_when_evaluated(tiny_model, tmp_pa
     )
     bench = load_benchmark(path)
     assert len(bench.rows) == 2 and not bench.skipped  # the header reads fine; the pixels do not
-    vlm = VLMAdapter.from_pretrained(tiny_model)  # asked whether it can resize each image
+    vlm = load(tiny_model)  # asked whether it can resize each image
     results, skipped = run_benchmark(vlm, bench.rows, None, modes=[], progress=False)  # type: ignore[arg-type]
     assert [r.row.id for r in results] == ["0"]
     assert [(s.row, s.id) for s in skipped] == [(1, "1")] and "fails to decode" in skipped[0].reason
@@ -259,7 +260,7 @@ def test_five_options_are_lettered_and_too_many_are_reported(tiny_model):
         BenchmarkRow(0, "q0", Question("Which?", five, "E", lambda: Image.new("RGB", (8, 8)))),
         BenchmarkRow(1, "q1", Question("Which?", many, "A", lambda: Image.new("RGB", (8, 8)))),
     ]
-    vlm = VLMAdapter.from_pretrained(tiny_model)  # asked whether it can resize each image
+    vlm = load(tiny_model)  # asked whether it can resize each image
     results, skipped = run_benchmark(vlm, rows, None, modes=[], progress=False)  # type: ignore[arg-type]
     assert [r.row.id for r in results] == ["q0"]
     assert [(s.row, s.id) for s in skipped] == [(1, "q1")] and "27 options" in skipped[0].reason
@@ -469,7 +470,7 @@ def tiny_model():
 
 def test_outcomes_follow_the_conversation(tiny_model, tmp_path, monkeypatch):
     """A scripted model (a crop, then "B") on three rows whose right answers are A, B, B."""
-    vlm = VLMAdapter.from_pretrained(tiny_model)
+    vlm = load(tiny_model)
     turns = iter([tool_call_text((0.0, 0.0, 0.5, 0.5)), "B<|im_end|>"])
 
     def generate(batch, max_new_tokens, keys=None, **kwargs):

@@ -12,6 +12,7 @@ from mmrl.memory_plan import LiveTensorBytes, RealIndicesOnMeta, fused_attention
 from mmrl.registry import REPLICAS
 from vlm_rl.config import DEFAULT_MODEL, ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
+from vlm_rl.loading import load
 from vlm_rl.memory_plan import longest_conversation
 from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
 from vlm_rl.trainer import ToolGRPOTrainer
@@ -34,7 +35,7 @@ SMALL = [
 
 def meta_adapter(path) -> VLMAdapter:
     with torch.device("meta"):
-        return VLMAdapter.from_config(path)
+        return load(path, weights=False)
 
 
 def update_peak(adapter: VLMAdapter, checkpointing: bool = False) -> int:
@@ -55,7 +56,7 @@ def update_peak(adapter: VLMAdapter, checkpointing: bool = False) -> int:
 def test_on_meta_the_update_holds_what_it_holds_on_a_cpu(model, tmp_path):
     """The shipped tiny VLM, and the Qwen2.5-VL-3B recipe's replica (the real model's classes)."""
     path = shipped_path(DEFAULT_MODEL) if model == "shipped" else REPLICAS.get(model)(tmp_path / "replica")
-    on_cpu = update_peak(VLMAdapter.from_pretrained(path))
+    on_cpu = update_peak(load(path))
     on_meta = update_peak(meta_adapter(path))
     # a little more on meta: token ids and masks sent to the device are copies there, as on a GPU,
     # where a CPU run keeps them in place; on a tiny model their share is not negligible
@@ -69,7 +70,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     path = shipped_path(DEFAULT_MODEL)
     grads = []
     for checkpointing in (False, True):
-        adapter = VLMAdapter.from_pretrained(path)
+        adapter = load(path)
         if checkpointing:
             enable_gradient_checkpointing(adapter.model)
         adapter.model.train()

@@ -8,6 +8,7 @@ import torch
 from PIL import Image
 
 from mmrl.noise import NoiseKey
+from vlm_rl.loading import load
 from vlm_rl.models import (
     IMAGE_PAD,
     Segment,
@@ -140,7 +141,7 @@ def test_generate_a_batch_of_prompts_with_images(vlm):
 
 def test_save_and_load_round_trip(vlm, tmp_path):
     vlm.save_pretrained(tmp_path)
-    loaded = VLMAdapter.from_pretrained(tmp_path)
+    loaded = load(tmp_path)
     assert type(loaded) is type(vlm)
     sequences = rollouts(vlm)
     assert [s.token_ids for s in rollouts(loaded)] == [s.token_ids for s in sequences]
@@ -154,12 +155,12 @@ def test_save_and_load_round_trip(vlm, tmp_path):
 
 def test_bad_paths_name_what_is_missing(vlm, tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a directory"):
-        VLMAdapter.from_pretrained(tmp_path / "nowhere")
+        load(tmp_path / "nowhere")
     vlm.save_pretrained(tmp_path)
     (tmp_path / "preprocessor_config.json").unlink()
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="preprocessor_config.json, model.safetensors or"):
-        VLMAdapter.from_pretrained(tmp_path)
+        load(tmp_path)
 
 
 def scores_alone(vlm: VLMAdapter, sequences: list[Segment], masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,7 +16,8 @@ from tests.test_displacement import make_run, make_start, unit
 from tests.test_report import fake_run, seed_run
 from tests.test_vlm_benchmarks import b64, hr_row, image_bytes, write_tsv
 from vlm_rl.eval_benchmarks import resolve_model
-from vlm_rl.models import ImageSizeError, VLMAdapter
+from vlm_rl.loading import load
+from vlm_rl.models import ImageSizeError
 from vlm_rl.question_jsonl import write_benchmark
 from vlm_rl.tasks import make_examples
 
@@ -35,7 +36,7 @@ def one_error_line(err: str) -> str:
 
 
 def test_the_adapter_names_an_image_it_cannot_resize():
-    vlm = VLMAdapter.from_pretrained(resolve_model(None))
+    vlm = load(resolve_model(None))
     for call in (vlm.resized_size, vlm.encode_image):
         with pytest.raises(ImageSizeError, match=r"image of 4000x2 pixels cannot be resized .*aspect ratio"):
             call(Image.new("RGB", WIDE))

@@ -16,6 +16,7 @@ from mmrl.noise import NoiseKey
 from vlm_rl.config import ToolRolloutConfig
 from vlm_rl.conversation import Trajectory, prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, demonstration, round_box, task_vocabulary, tool_call_text
+from vlm_rl.loading import load
 from vlm_rl.models import Generation, Segment, VLMAdapter
 from vlm_rl.rewards import adaptive_tool_rewards
 from vlm_rl.rollout import metrics_by_kind, rollout
@@ -220,7 +221,7 @@ def test_sft_then_grpo_train_save_and_resume(vlm, tmp_path):
     def run(out, steps, *extra):
         assert main(["train", "vlm/tool_grpo", f"output_dir={out}", f"steps={steps}", *grpo, *extra]) == 0
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        weights = VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        weights = load(out / "model").model.state_dict()
         return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
 
     straight_rows, straight = run(tmp_path / "straight", 4)
@@ -268,7 +269,7 @@ def test_vision_pre_stage_trains_the_tower_only_then_sft_can_keep_it(tmp_path):
     def vision_run(out, steps, *extra):
         args = ["pretrain", "vlm_vision", f"output_dir={out}", f"steps={steps}", "checkpoint_every=2"]
         assert main([*args, *common, *extra]) == 0
-        return VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        return load(out / "model").model.state_dict()
 
     straight = vision_run(tmp_path / "straight", 4)
     vision_run(tmp_path / "stopped", 4)
@@ -288,7 +289,7 @@ def test_vision_pre_stage_trains_the_tower_only_then_sft_can_keep_it(tmp_path):
     base = tmp_path / "straight" / "model"
     args = ["pretrain", "vlm", f"output_dir={sft}", "steps=2", f"model.path={base}"]
     assert main([*args, "train.vision_lr_scale=0", "eval_modes=[never]", *common]) == 0
-    after = VLMAdapter.from_pretrained(sft / "model").model.state_dict()
+    after = load(sft / "model").model.state_dict()
     kept = [k for k in after if ".visual." in k or k.startswith("visual.")]
     assert kept and all(torch.equal(after[k], straight[k]) for k in kept)
     assert any(not torch.equal(after[k], straight[k]) for k in after if k not in kept)

@@ -16,6 +16,7 @@ from mmrl.tree import fused_node_advantages
 from vlm_rl.config import DEFAULT_MODEL, ToolRolloutConfig, TreeRolloutConfig
 from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import DataConfig, QuestionSet, task_vocabulary, tool_call_text
+from vlm_rl.loading import load
 from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, VLMAdapter, shared_prefixes
 from vlm_rl.rollout import rollout, tree_rollout
 from vlm_rl.schedules import StepGroups
@@ -346,7 +347,7 @@ def test_the_tree_recipe_trains_and_resumes(tmp_path):
             == 0
         )
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        weights = VLMAdapter.from_pretrained(out / "model").model.state_dict()
+        weights = load(out / "model").model.state_dict()
         return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
 
     straight_rows, straight = run(tmp_path / "straight", 2)

@@ -35,6 +35,7 @@ from mmrl.registry import EVALUATORS
 from vlm_rl.benchmark_files import load_benchmark
 from vlm_rl.benchmark_rows import EXPECTED, FORMATS, IMAGE_ERRORS, BenchmarkRow, SkippedRow
 from vlm_rl.config import DEFAULT_MODEL, TOOL_MODES, ToolRolloutConfig
+from vlm_rl.loading import load
 from vlm_rl.models import ImageSizeError, VLMAdapter
 from vlm_rl.rollout import rollout
 from vlm_rl.scoring import Outcome, RowResult, extract_choice, score_results
@@ -150,7 +151,7 @@ def resolve_model(model: str | None) -> Path:
 def load_model(path: Path, device: str) -> VLMAdapter:
     """The checkpoint at `path` on `device` (one `check_device` resolved), in eval mode."""
     try:
-        adapter = VLMAdapter.from_pretrained(path)
+        adapter = load(path)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise ConfigError(
             f"config error: model = {str(path)!r} cannot be loaded: {err}; give model= a local checkpoint "

@@ -34,6 +34,7 @@ from mmrl.memory_plan import (
 )
 from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import QuestionSet
+from vlm_rl.loading import load
 from vlm_rl.models import Segment, VLMAdapter, enable_gradient_checkpointing
 
 CROP = (0.25, 0.25, 0.75, 0.75)  # the observations' crops: the middle of the image, as fractions
@@ -61,7 +62,7 @@ def tool_grpo_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
     path = shipped_path(config.model.path)
     try:
         with torch.device("meta"):
-            adapter = VLMAdapter.from_config(path)
+            adapter = load(path, weights=False)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise ConfigError(f"config error: model.path = {config.model.path!r}: {err}") from None
     model = adapter.model

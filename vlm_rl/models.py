@@ -20,8 +20,8 @@ are the hooks a family class fills. `QwenVLAdapter` covers Qwen2-VL and Qwen2.5-
 positions the model computes itself from ``mm_token_type_ids``, the image grids and the attention
 mask, so padding is skipped); an Idefics3/SmolVLM class would add its image splitting and
 ``pixel_attention_mask``. `tiny` builds an untrained Qwen2-VL of the real architecture with a
-word-level tokenizer over a closed vocabulary; `save_pretrained` and `from_pretrained` store it like
-a hub checkpoint.
+word-level tokenizer over a closed vocabulary; `save_pretrained` stores it like a hub checkpoint, which
+`vlm_rl.loading.load` reads back.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from typing import Any, ClassVar
 
 import torch
 from PIL import Image
-from safetensors import SafetensorError
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
-    AutoConfig,
     AutoTokenizer,
     LogitsProcessor,
     LogitsProcessorList,
@@ -57,9 +55,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from mmrl.config import ConfigError, describe_saved_model, read_json_object
 from mmrl.noise import NoiseKey, keyed_rand_batch
-from mmrl.precision import default_dtype
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
@@ -101,14 +97,6 @@ CHAT_TEMPLATE = (
 ASSISTANT_SENTINEL = "@@assistant-text@@"
 MAX_IMAGE_SIDE = 8000
 PADDING_WASTE = 0.25  # `length_buckets`: the share of a batch's tokens that may be left padding
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# what transformers and safetensors raise for a file that is missing, malformed or of another model
-LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
-REMAKE = (
-    "give a folder written by VLMAdapter.save_pretrained (e.g. `mmrl pretrain vlm`) or a local "
-    "Qwen2-VL / Qwen2.5-VL checkpoint"
-)
 
 
 def build_chat_tokenizer(words: Sequence[str], max_length: int = 4096) -> PreTrainedTokenizerFast:
@@ -324,37 +312,6 @@ class TinyVLMSpec:
     max_positions: int = 4096
 
 
-def check_checkpoint(directory: Path) -> str:
-    """The model_type of a local checkpoint directory of a supported family; FileNotFoundError names what
-    the directory lacks, ConfigError what else it holds (read before loading: transformers builds a
-    default-sized model from another model's config)."""
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"{str(directory)!r} is not a directory: give a local folder written by save_pretrained "
-            "(config.json, model weights, tokenizer files, preprocessor_config.json)"
-        )
-    model_type = None
-    if (directory / "config.json").is_file():
-        config = read_json_object(directory / "config.json", REMAKE)
-        model_type = config.get("model_type")
-        if not any(model_type in family.model_classes for family in FAMILIES):
-            what = describe_saved_model(config)
-            known = sorted(name for family in FAMILIES for name in family.model_classes)
-            raise ConfigError(
-                f"{str(directory)!r} holds {what}, not a chat VLM of a supported model_type "
-                f"({', '.join(known)}): {REMAKE}"
-            )
-    missing = [
-        name for name in ("config.json", "preprocessor_config.json") if not (directory / name).is_file()
-    ]
-    for group in (WEIGHT_FILES, TOKENIZER_FILES):
-        if not any((directory / name).is_file() for name in group):
-            missing.append(" or ".join(group))
-    if missing:
-        raise FileNotFoundError(f"checkpoint directory {str(directory)!r} has no {', '.join(missing)}")
-    return model_type
-
-
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each layer's activations in the backward pass (while the model trains): the same
     gradients, a layer's activations instead of all of them held at once."""
@@ -386,61 +343,6 @@ class VLMAdapter(ABC):
         self.banned_ids = torch.tensor(self.vision_token_ids())
 
     # -- construction and storage ----------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype | str = "auto", attn_implementation: str | None = None
-    ) -> VLMAdapter:
-        """Load a local checkpoint (never the network) with the family class its config names.
-
-        A directory of another model, or with files missing, malformed or of another model, is a
-        ConfigError (or FileNotFoundError) that says what was found."""
-        directory = Path(path)
-        model_type = check_checkpoint(directory)
-        family = next(family for family in FAMILIES if model_type in family.model_classes)
-        try:
-            model, info = family.model_classes[model_type].from_pretrained(
-                directory,
-                dtype=dtype,
-                attn_implementation=attn_implementation,
-                local_files_only=True,
-                output_loading_info=True,
-            )
-            tokenizer, image_processor = family.load_processors(directory)
-        except LOAD_ERRORS as err:
-            reason = " ".join(str(err).split())
-            raise ConfigError(
-                f"{str(directory)!r}: the {model_type} checkpoint does not load ({reason}): {REMAKE}"
-            ) from None
-        if info["missing_keys"]:  # transformers would start them at random
-            missing = sorted(info["missing_keys"])
-            raise ConfigError(
-                f"{str(directory)!r}: the weights lack {len(missing)} of the {model_type} model's tensors "
-                f"(e.g. {missing[0]!r}), so they were saved from another model: {REMAKE}"
-            )
-        return family(model, tokenizer, image_processor)
-
-    @classmethod
-    def from_config(cls, path: str | Path) -> VLMAdapter:
-        """A checkpoint's adapter with the model built from its config.json alone, in the dtype it was
-        saved in, with random weights in the current default device: under ``torch.device("meta")`` a
-        real model to plan (`mmrl train --dry-run`) without reading or allocating its weights."""
-        directory = Path(path)
-        if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"{str(directory)!r} has no config.json")
-        model_type = read_json_object(directory / "config.json", REMAKE).get("model_type")
-        family = next((f for f in FAMILIES if model_type in f.model_classes), None)
-        if family is None:
-            known = sorted(name for f in FAMILIES for name in f.model_classes)
-            raise ConfigError(
-                f"{str(directory)!r}: model_type {model_type!r} is not one of {', '.join(known)}"
-            )
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        saved = config.dtype or torch.float32
-        dtype = getattr(torch, saved.removeprefix("torch.")) if isinstance(saved, str) else saved
-        with default_dtype(dtype):
-            model = family.model_classes[model_type](config)
-        return family(model, *family.load_processors(directory))
 
     @classmethod
     def load_processors(cls, directory: Path) -> tuple[PreTrainedTokenizerBase, Any]:

@@ -3,8 +3,8 @@
 `FULL` is the published config's text and vision entries (Qwen/Qwen2.5-VL-3B-Instruct); `build_full`
 makes the model at full size with random weights (on the meta device for a memory plan, on a GPU for a
 benchmark). The replica (`mmrl replica qwen25vl_3b`) is the same class, saved by `save_pretrained`
-with a tokenizer and image processor, loaded by `VLMAdapter.from_pretrained` as the real checkpoint
-is. `TINY` overrides sizes only; kept are grouped-query attention (8 query heads per key/value head),
+with a tokenizer and image processor, loaded by `vlm_rl.loading.load` as the real checkpoint is.
+`TINY` overrides sizes only; kept are grouped-query attention (8 query heads per key/value head),
 M-RoPE's 2 : 3 : 3 split of the rotary frequencies over time, height and width, SwiGLU, tied embeddings,
 the vision tower's 14-pixel patches, 2x2 merging, 112-pixel attention windows with full attention in
 the last block of every group, and the merger into the text width. The tokenizer is word-level over

@@ -48,6 +48,7 @@ from vlm_rl.config import ToolGRPOConfig, check_rollout_size
 from vlm_rl.conversation import Trajectory
 from vlm_rl.data import QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
+from vlm_rl.loading import load
 from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
 from vlm_rl.rollout import generate, metrics_by_kind, rollout_metrics
 from vlm_rl.schedules import CarriedGroups, Groups, StepGroups, TreeRollout, Trees
@@ -57,7 +58,7 @@ from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
 def load_policy(path: str) -> VLMAdapter:
     """A local checkpoint; a missing or unusable one is a config error naming model.path."""
     try:
-        return VLMAdapter.from_pretrained(shipped_path(path))
+        return load(shipped_path(path))
     except (FileNotFoundError, ValueError) as err:
         parts = Path(path).parts  # the recipes' own outputs: runs/pretrain/NAME/model
         is_recipe_output = len(parts) == 4 and parts[:2] == ("runs", "pretrain") and parts[3] == "model"

@@ -17,7 +17,7 @@ from mmrl.registry import GPU_BENCH_SECTIONS
 from vlm_rl.bench.rollout_speed import tokens_per_second, vllm_row
 from vlm_rl.config import ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
-from vlm_rl.models import VLMAdapter
+from vlm_rl.loading import load
 from vlm_rl.replicas import qwen25vl_3b
 
 VLLM_TARGET = 3.0
@@ -33,7 +33,7 @@ def rollout_rows(options: GpuBenchOptions, device: torch.device, workdir: Path) 
         qwen25vl_3b(partial, full=scale == "full", weights=True, device=str(device))
         partial.rename(path)  # a run killed while writing leaves no half model to reuse
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    adapter = VLMAdapter.from_pretrained(path, dtype=dtype)
+    adapter = load(path, dtype=dtype)
     adapter.model.to(device).eval()
     data = QuestionSet(DataConfig(heldout_size=rollouts), "heldout")
     questions = [data[i] for i in range(rollouts)]

@@ -44,6 +44,7 @@ from vlm_rl.config import PartialRolloutConfig, ToolRolloutConfig
 from vlm_rl.conversation import Trajectory, TurnGenerator
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.eval_benchmarks import resolve_model
+from vlm_rl.loading import load
 from vlm_rl.models import VLMAdapter
 from vlm_rl.rollout import generate, rollout
 from vlm_rl.schedules import CarriedGroups
@@ -176,7 +177,7 @@ def bench_vlm(
             f"config error: model = {model!r} is not a directory: give a VLM checkpoint folder "
             "(save_pretrained), or leave model out to time the shipped tiny model"
         )
-    adapter = VLMAdapter.from_pretrained(path)
+    adapter = load(path)
     name = str(path)
     adapter.model.eval()
     data = QuestionSet(DataConfig(heldout_size=rollouts), "heldout")
