@@ -15,7 +15,8 @@ import torch
 
 from mmrl.cli import load_plugins, main
 from mmrl.config import ConfigError, load_config
-from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot, is_lerobot_policy_dir, load_policy
+from vla_rl.lerobot_policy import LeRobotPolicy, import_lerobot
+from vla_rl.loading import is_lerobot_policy_dir, load
 from vla_rl.policy_comparison import VLAPoliciesEvalConfig, check_config
 
 
@@ -212,11 +213,11 @@ def test_lerobot_dirs_are_told_apart_by_config_type(tmp_path):
 
 def test_missing_lerobot_names_the_extra_and_the_recipe(tmp_path, no_lerobot):
     directory = fake_lerobot_dir(tmp_path)
-    for load in (LeRobotPolicy.from_pretrained, load_policy):
+    for reader in (LeRobotPolicy.from_pretrained, load):
         with pytest.raises(
             ImportError, match=r"pip install 'mmrl\[lerobot\]'.*torch==2\.13\.0.*docs/robot\.md"
         ):
-            load(directory)
+            reader(directory)
     with pytest.raises(ConfigError, match=r"is a LeRobot policy: .*pip install 'mmrl\[lerobot\]'"):
         check_config(VLAPoliciesEvalConfig(policies=[str(directory)], task="Reach"))
 
@@ -276,7 +277,7 @@ def test_directory_without_processors_is_refused(tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_adapter_acts_as_lerobot_does(tmp_path, kind):
     directory = save_tiny(kind, tmp_path / kind)
-    adapter = load_policy(directory)
+    adapter = load(directory)
     assert isinstance(adapter, LeRobotPolicy)
     assert (adapter.config.image_size, adapter.config.state_dim, adapter.config.action_dim) == (
         SIZE,
@@ -348,7 +349,7 @@ def test_evaluate_policy_on_reach(tmp_path, kind):
     assert env.observation_space["image"].shape == (SIZE, SIZE, 3)
     assert env.observation_space["proprio"].shape == (PROPRIO,) and env.action_space.shape == (ACTIONS,)
     env.close()
-    policy = load_policy(save_tiny(kind, tmp_path / kind))
+    policy = load(save_tiny(kind, tmp_path / kind))
     result = evaluate_policy(policy, "Reach", episodes=2, seed=0, num_envs=2, progress=False)
     assert result["episodes"] == 2 and 0.0 <= result["success_rate"] <= 1.0
     assert 1 <= result["mean_steps"] <= 50

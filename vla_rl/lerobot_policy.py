@@ -4,8 +4,9 @@
 `save_pretrained` (config.json, model.safetensors) plus its pre/post-processors' `save_pretrained`
 (policy_preprocessor.json, policy_postprocessor.json and their state files: the normalisation
 statistics), as `lerobot-train` leaves them in `checkpoints/*/pretrained_model`. `mmrl eval vla`
-takes such a directory in `policies=[...]` next to VLAPolicy directories: a LeRobot directory is
-recognised by the `type` field of its config.json ("act", "diffusion", ...), which VLAPolicy's lacks.
+takes such a directory in `policies=[...]` next to VLAPolicy directories: `vla_rl.loading.load` tells
+the two apart by the `type` field of a LeRobot config.json ("act", "diffusion", ...), which VLAPolicy's
+lacks.
 
 The sim's observations are mapped to the policy's `input_features` as LeRobot's own gym evaluation
 does: `image` (H, W, 3) uint8 -> the one VISUAL feature (`observation.image` or
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.losses import aggregate_loss
-from vla_rl.policy import VLAPolicy, as_batch
+from vla_rl.policy import as_batch
 
 INSTALL_HINT = (
     "LeRobot policies need LeRobot >= 0.4 (pip install 'mmrl[lerobot]'); LeRobot pins an older torch, "
@@ -74,15 +75,6 @@ def import_lerobot() -> dict[str, Any]:
         "get_policy_class": get_policy_class,
         "make_pre_post_processors": make_pre_post_processors,
     }
-
-
-def is_lerobot_policy_dir(path: str | Path) -> bool:
-    """Whether `path` holds a LeRobot policy: its config.json names the policy `type`."""
-    config = Path(path) / "config.json"
-    try:
-        return isinstance(json.loads(config.read_text()).get("type"), str)
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 @dataclass
@@ -325,11 +317,4 @@ class LeRobotPolicy(nn.Module):
             part.save_pretrained(directory)
 
 
-def load_policy(path: str | Path, device: str | torch.device = "cpu") -> VLAPolicy | LeRobotPolicy:
-    """A VLAPolicy directory or a LeRobot policy directory (told apart by config.json's `type`)."""
-    if is_lerobot_policy_dir(path):
-        return LeRobotPolicy.from_pretrained(path, device)
-    return VLAPolicy.from_pretrained(path, device)
-
-
-__all__ = ["LeRobotActingConfig", "LeRobotPolicy", "import_lerobot", "is_lerobot_policy_dir", "load_policy"]
+__all__ = ["LeRobotActingConfig", "LeRobotPolicy", "import_lerobot"]

@@ -32,10 +32,10 @@ from mmrl.memory_plan import (
 )
 from vla_rl.config import ENV_BYTES, VLAOnlineConfig
 from vla_rl.lerobot_checks import load_info
-from vla_rl.lerobot_policy import LeRobotPolicy, is_lerobot_policy_dir
+from vla_rl.loading import is_lerobot_policy_dir, load
 from vla_rl.methods import UPDATES
 from vla_rl.methods.critics import Critics
-from vla_rl.policy import VLAPolicy, instruction_words
+from vla_rl.policy import instruction_words
 
 # bytes per transition beside its frame, state and action: reward (float32), is_intervention (bool),
 # chunk_step (int64)
@@ -91,7 +91,7 @@ def online_memory_plan(config: VLAOnlineConfig, recipe: str, processes: int) -> 
     path = shipped_path(config.model.path)
     lerobot = is_lerobot_policy_dir(path)
     try:
-        policy = (LeRobotPolicy if lerobot else VLAPolicy).from_pretrained(path).train()
+        policy = load(path).train()
     except (FileNotFoundError, ConfigError) as err:
         raise ConfigError(f"config error: model.path = {config.model.path!r}: {err}") from None
     size, horizon = policy.config.image_size, policy.config.horizon

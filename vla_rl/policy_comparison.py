@@ -51,7 +51,8 @@ import numpy as np
 from mmrl.config import ConfigError, apply_overrides, build, check_output_dir, option, shipped_path
 from mmrl.registry import EVALUATORS
 from vla_rl.evaluate import TASK_HELP, Episodes, evaluate_episodes, wilson_interval, write_gif
-from vla_rl.lerobot_policy import import_lerobot, is_lerobot_policy_dir, load_policy
+from vla_rl.lerobot_policy import import_lerobot
+from vla_rl.loading import is_lerobot_policy_dir, load
 from vla_rl.supervisor import TakeoverConfig, TakeoverRule
 
 RESCUE_STEPS = 1_000_000  # a rescue's take-over lasts to the episode's end
@@ -222,7 +223,7 @@ def evaluate_policies(cfg: VLAPoliciesEvalConfig) -> dict[str, Any]:
     reference: np.ndarray | None = None
     gifs: list[tuple[list[np.ndarray], list[bool], Path]] = []  # written once every policy has run
     for index, path in enumerate(cfg.policies):
-        policy = load_policy(path)
+        policy = load(path)
         run = partial(
             evaluate_episodes,
             policy,

@@ -54,13 +54,14 @@ from vla_rl.dataset import RobotDataset, open_dataset
 from vla_rl.episodes import check_first_observation, make_env
 from vla_rl.evaluate import evaluate_episodes, evaluate_policy, write_gif
 from vla_rl.lerobot_format import ACTION_KEY, IMAGE_KEY, STATE_KEY
-from vla_rl.lerobot_policy import FLOW_MATCHING, LeRobotPolicy, import_lerobot, is_lerobot_policy_dir
+from vla_rl.lerobot_policy import FLOW_MATCHING, import_lerobot
+from vla_rl.loading import is_lerobot_policy_dir, load
 from vla_rl.memory_plan import online_memory_plan
 from vla_rl.methods import UPDATES
 from vla_rl.methods.critics import Critics
 from vla_rl.methods.interface import Collected, mean_or_nan
 from vla_rl.online import Episode, add_to_buffer, rollouts
-from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, VLAPolicy, instruction_words
+from vla_rl.policy import CONFIG_NAME, WEIGHTS_NAME, ClippedGaussian, instruction_words
 from vla_rl.pretrain import frame_tensors
 from vla_rl.recording import expert_demonstrations
 from vla_rl.replay_buffer import ReplayBuffer
@@ -169,7 +170,6 @@ class VLAOnlineTrainer(Trainer):
                 "launch it without accelerate's multi-process options"
             )
         try:
-            load = LeRobotPolicy.from_pretrained if self.lerobot else VLAPolicy.from_pretrained
             self.policy = load(shipped_path(cfg.model.path), device=self.accelerator.device).train()
         except ConfigError as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
