@@ -1,11 +1,9 @@
-"""Exact resume: a run SIGKILLed between checkpoints, then resumed, ends bit-identical to a straight run."""
+"""Exact resume past a corrupt newest checkpoint: the run resumes from the one before and ends
+bit-identical to a straight run (a SIGKILL at any moment: tests/test_sigkill_resume.py)."""
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from safetensors.torch import load_file
@@ -34,49 +32,8 @@ def mmrl(*args: str) -> subprocess.Popen:
     )
 
 
-def logged_steps(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return json.loads(lines[-1])["step"] if lines else 0
-
-
 def final_weights(run_dir):
     return load_file(run_dir / "checkpoints" / "step_00000012" / "model.safetensors")
-
-
-def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    reference = mmrl("train", "core/tiny_grpo", f"output_dir={straight}", *ARGS)
-
-    victim = mmrl("train", "core/tiny_grpo", f"output_dir={killed}", *ARGS)
-    deadline = time.monotonic() + 300
-    while logged_steps(killed) < 6:  # past the step-4 checkpoint, before the step-8 one
-        assert victim.poll() is None, victim.stderr.read().decode()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    assert victim.returncode == -signal.SIGKILL
-    newest = sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step_"))[-1]
-    assert newest in ("step_00000004", "step_00000008")
-    assert logged_steps(killed) > int(newest[5:])  # the kill really fell between checkpoints
-
-    resumed = mmrl("train", "core/tiny_grpo", f"output_dir={killed}", *ARGS, "--resume")
-    for proc in (reference, resumed):
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err.decode()[-2000:]
-
-    a, b = final_weights(straight), final_weights(killed)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert (a[name] == b[name]).all(), f"{name} differs after resume"
-    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 13))  # rows past the checkpoint were replaced, not duplicated
-    rows_a = (straight / "metrics.jsonl").read_text().splitlines()
-    rows_b = (killed / "metrics.jsonl").read_text().splitlines()
-    assert rows_a == rows_b
 
 
 @pytest.mark.slow  # three runs; corrupt checkpoints in one process: tests/test_reliability.py

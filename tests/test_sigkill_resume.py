@@ -12,8 +12,8 @@ one. The steps and write points are drawn from a seeded generator; the seed is p
 every failure): ``MMRL_SIGKILL_SEED=N pytest -m slow tests/test_sigkill_resume.py`` replays it.
 
 The default run holds one case per trainer family, each with both kinds of kill, chosen as the family's
-fastest recipe that still exercises its state: core/tiny_branch_grpo (the sampler; core/tiny_grpo's
-kill is tests/test_resume.py), diffusion/nft (sampler, EMA and the old policy), vlm/tool_grpo with
+fastest recipe that still exercises its state: core/tiny_branch_grpo (the sampler and the tree;
+core/tiny_grpo takes the same paths), diffusion/nft (sampler, EMA and the old policy), vlm/tool_grpo with
 partial rollouts (sampler and carried conversations), vla/habc (critics, their optimizer, the replay
 buffer) and pretrain/tiny_lm (the data generator). The other recipes and modes share those code paths
 and take longer, so they are `slow`: ``pytest -m slow tests/test_sigkill_resume.py``.
