@@ -38,6 +38,7 @@ from diffusion_rl.branch_rollout import (
 )
 from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.inputs import check_prompt_count
+from diffusion_rl.memory_plan import PlannedRollout
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.quantized_exploration import (
     KeptLeaves,
@@ -118,6 +119,18 @@ class BranchGRPOTrainer(DiffusionTrainer):
         cfg = self.config
         self.policy_loss = LOSSES.get(cfg.train.loss)
         self.plan = plan_for(cfg.rollout)
+
+    @staticmethod
+    def planned_rollout(config: BranchGRPOConfig, guidance_embedded: bool) -> PlannedRollout:
+        """A prompt's tree (and exploration pool) for the memory plan; the update trains the guided
+        velocity of the sampling steps."""
+        r = config.rollout
+        steps_rows = plan_for(r).rows_per_step()
+        leaves, explore_rows = steps_rows[-1], 0
+        if config.explore.enabled:
+            pool_rows = exploration_plan(r, config.explore).rows_per_step()
+            leaves, explore_rows = max(leaves, pool_rows[-1]), sum(pool_rows)
+        return PlannedRollout(steps_rows, leaves, r.guidance_scale, explore_rows)
 
     def check_size(self) -> None:
         check_rollout_size(

@@ -15,13 +15,13 @@ and decoding).
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from diffusion_rl.branch_rollout import plan_for
 from diffusion_rl.inputs import (
     check_gold_reward,
     check_prompt_count,
@@ -33,7 +33,6 @@ from diffusion_rl.inputs import (
 )
 from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
-from diffusion_rl.quantized_exploration import exploration_plan
 from mmrl.config import ConfigError
 from mmrl.memory_plan import (
     MemoryPlan,
@@ -93,9 +92,26 @@ def prompt_cache_size(pipe: FlowPipeline, config: Any, prompts: list[tuple[str, 
     return f"{human_bytes(count * per_prompt).strip()} ({count:,d} prompts of {each})"
 
 
-def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPlan:
+@dataclass(frozen=True)
+class PlannedRollout:
+    """What one prompt's iteration asks of the denoiser under a training method, for its plan: the rows
+    of each denoising step, the samples rewarded, the guidance its update trains the velocity at, the
+    rows evaluated in a low-precision exploration pool (0: none) and the copies of the trained weights
+    the method holds besides an EMA (DiffusionNFT's old policy)."""
+
+    steps_rows: list[int]
+    leaves: int
+    train_guidance: float
+    explore_rows: int = 0
+    policy_copies: int = 0
+
+
+def diffusion_memory_plan(
+    config: Any, recipe: str, processes: int, planned_rollout: Callable[[Any, bool], PlannedRollout]
+) -> MemoryPlan:
+    """The plan of a diffusion method's iteration; `planned_rollout(config, guidance_embedded)` is the
+    method's (`BranchGRPOTrainer.planned_rollout`, `DiffusionNFTTrainer.planned_rollout`)."""
     r, t = config.rollout, config.train
-    nft = config.trainer == "diffusion_nft"
     located = planned_prompts(config, processes)
     check_gold_reward(config)
     with torch.device("meta"):
@@ -121,28 +137,15 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         sigma = torch.full((rows,), 0.5, device="meta")
         return pipe.velocity(x, sigma, pipe.encode_prompts([PROMPT] * rows), scale, uncond)
 
-    # the update: NFT trains the velocity without classifier-free guidance (a guidance-distilled model
-    # at its embedded guidance); BranchGRPO trains the guided velocity of its sampling steps
-    train_guidance = (guidance if pipe.guidance_embedded else 1.0) if nft else guidance
+    planned = planned_rollout(config, pipe.guidance_embedded)
+    steps_rows, leaves, call_rows = planned.steps_rows, planned.leaves, r.prompts_per_step * planned.leaves
 
     def update() -> None:
-        velocity(t.micro_batch, train_guidance).square().mean().backward()
+        velocity(t.micro_batch, planned.train_guidance).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     update()  # the first step creates the optimizer's states, which every later phase holds
-    if nft:
-        group = r.group_size
-        leaves = max(group, config.explore.pool if config.explore.enabled else 0)
-        call_rows = r.prompts_per_step * leaves
-        steps_rows = [group] * r.steps
-    else:
-        steps_rows = plan_for(r).rows_per_step()
-        leaves = steps_rows[-1]
-        if config.explore.enabled:
-            explore_rows = exploration_plan(r, config.explore).rows_per_step()
-            leaves = max(leaves, explore_rows[-1])
-        call_rows = r.prompts_per_step * leaves
 
     def rollout() -> None:
         with torch.no_grad():
@@ -177,7 +180,7 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         other["vae"] = weight_bytes([pipe.vae])
     if reference is not None:
         other["reference (kl)"] = weight_bytes([reference])
-    copies = (1 if nft else 0) + (1 if t.ema_decay > 0 else 0)  # old policy (NFT), EMA
+    copies = planned.policy_copies + (1 if t.ema_decay > 0 else 0)
     if copies:
         other["old policy / EMA"] = copies * sum(p.numel() * p.element_size() for p in trained)
     rewards = [(term["name"], term.get("options") or {}) for term in (config.reward.terms or [])]
@@ -196,14 +199,9 @@ def diffusion_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         f"({prompts} prompts x {sum(steps_rows)} node steps{' x 2 (guidance)' if guided else ''})",
         "samples rewarded": f"{prompts * leaves:,d}",
     }
-    if config.explore.enabled and not nft:
+    if planned.explore_rows:
         work["denoiser evaluations in rollouts"] += (
-            f", plus {prompts * sum(explore_rows) * per_call:,d} in the {config.explore.precision} pool"
-        )
-    if nft and config.explore.enabled:
-        pool = config.explore.pool * (config.explore.steps or r.steps) * per_call
-        work["denoiser evaluations in rollouts"] += (
-            f", plus {prompts * pool:,d} in the {config.explore.precision} pool"
+            f", plus {prompts * planned.explore_rows * per_call:,d} in the {config.explore.precision} pool"
         )
     if config.model.cache_prompt_embeddings:
         work["prompt embeddings cached in CPU memory"] = prompt_cache_size(pipe, config, located)

@@ -40,6 +40,7 @@ import torch
 from diffusion_rl.branch_rollout import TreePlan, rollout_trees
 from diffusion_rl.config import DiffusionNFTConfig, RolloutConfig
 from diffusion_rl.inputs import check_prompt_count
+from diffusion_rl.memory_plan import PlannedRollout
 from diffusion_rl.models import Conditioning, FlowPipeline
 from diffusion_rl.quantized_exploration import KeptLeaves, keep_for_replay, rank_agreement
 from diffusion_rl.sampling import save_grid
@@ -137,6 +138,17 @@ class DiffusionNFTTrainer(DiffusionTrainer):
             self.replay_plan = TreePlan(r.steps, [0], pool, [r.solver == "sde"] * r.steps)
         self.old_policy = [p.detach().clone() for p in self.trained_params]
         self.optimizer_steps = 0  # the old policy's decay schedule counts them
+
+    @staticmethod
+    def planned_rollout(config: DiffusionNFTConfig, guidance_embedded: bool) -> PlannedRollout:
+        """A prompt's group (and exploration pool) for the memory plan. The update trains the velocity
+        without classifier-free guidance (a guidance-distilled model at its embedded guidance), and the
+        old policy is a second copy of the trained weights."""
+        r, explore = config.rollout, config.explore
+        leaves = max(r.group_size, explore.pool if explore.enabled else 0)
+        explore_rows = explore.pool * (explore.steps or r.steps) if explore.enabled else 0
+        train_guidance = r.guidance_scale if guidance_embedded else 1.0
+        return PlannedRollout([r.group_size] * r.steps, leaves, train_guidance, explore_rows, policy_copies=1)
 
     def check_size(self) -> None:
         check_nft_size(

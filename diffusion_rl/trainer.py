@@ -163,7 +163,7 @@ class DiffusionTrainer(Trainer):
     def memory_plan(cls, config: Any, recipe: str, processes: int) -> MemoryPlan:
         from diffusion_rl.memory_plan import diffusion_memory_plan
 
-        return diffusion_memory_plan(config, recipe, processes)
+        return diffusion_memory_plan(config, recipe, processes, cls.planned_rollout)
 
     def check_size(self) -> None:
         """Refuse a step that cannot fit on the device, before the model is trained (a ConfigError)."""
