@@ -67,10 +67,18 @@ def test_a_kind_in_a_registry_without_kinds_is_refused(monkeypatch):
     assert "x" not in plain
 
 
-def test_a_provided_module_lists_its_entries_at_once_and_is_imported_on_first_use(monkeypatch, tmp_path):
+@pytest.fixture
+def things(monkeypatch, tmp_path) -> Registry:
+    """A test registry that module sources name as ``THINGS`` (as a plugin's name ``REWARDS``), kept out
+    of `mmrl list`, with modules written to `tmp_path` importable."""
     monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
     things = Registry("thing", "test entries")
-    monkeypatch.setattr(registry, "THINGS", things, raising=False)  # read by name, as REWARDS is
+    monkeypatch.setattr(registry, "THINGS", things, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return things
+
+
+def test_a_provided_module_lists_its_entries_and_is_imported_on_first_use(things, monkeypatch, tmp_path):
     (tmp_path / "lazy_things.py").write_text(
         textwrap.dedent(
             """
@@ -91,7 +99,6 @@ def test_a_provided_module_lists_its_entries_at_once_and_is_imported_on_first_us
     unnamed = "from mmrl.registry import THINGS\nTHINGS.register(NAME)(len)\n"
     (tmp_path / "unnamed_things.py").write_text(unnamed)
     (tmp_path / "no_things.py").write_text("x = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
     registry.provide("lazy_things")
     assert things.names() == ["tall", "wide"] and "wide" in things and "lazy_things" not in sys.modules
     assert things.get("wide")() == "wide" and "lazy_things" in sys.modules
@@ -106,30 +113,22 @@ def test_a_provided_module_lists_its_entries_at_once_and_is_imported_on_first_us
     monkeypatch.delitem(sys.modules, "lazy_things")
 
 
-def test_a_provided_module_that_fails_to_import_says_so_on_first_use(monkeypatch, tmp_path):
-    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
-    things = Registry("thing", "test entries")
-    monkeypatch.setattr(registry, "THINGS", things, raising=False)
+def test_a_provided_module_that_fails_to_import_says_so_on_first_use(things, tmp_path):
     (tmp_path / "broken_things.py").write_text(
         "import a_library_not_installed\nfrom mmrl.registry import THINGS\n\n"
         '@THINGS.register("gone")\ndef gone(): ...\n'
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     registry.provide("broken_things")
     assert things.names() == ["gone"]
     with pytest.raises(UnknownNameError, match="'gone' comes from broken_things, which cannot be imported"):
         things.get("gone")
 
 
-def test_a_module_imported_before_its_plugin_is_declared_keeps_its_entries(monkeypatch, tmp_path):
+def test_a_module_imported_before_its_plugin_is_declared_keeps_its_entries(things, monkeypatch, tmp_path):
     """A test may import a trainer's module before the plugins are loaded: declaring it then is no clash."""
-    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
-    things = Registry("thing", "test entries")
-    monkeypatch.setattr(registry, "THINGS", things, raising=False)
     (tmp_path / "early_things.py").write_text(
         'from mmrl.registry import THINGS\n\n@THINGS.register("early")\ndef early():\n    return "early"\n'
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     early = importlib.import_module("early_things").early
     registry.provide("early_things")
     assert things.get("early") is early
@@ -207,14 +206,10 @@ def test_a_bad_sampler_option_names_the_key(recipe, extra, tmp_path, capsys):
     assert "treshold" in err and "Traceback" not in err
 
 
-def test_a_filled_registry_imports_its_module_when_first_listed(monkeypatch, tmp_path):
-    monkeypatch.setattr(registry, "ALL_REGISTRIES", {})
-    things = Registry("thing", "test entries")
-    monkeypatch.setattr(registry, "THINGS", things, raising=False)
+def test_a_filled_registry_imports_its_module_when_first_listed(things, monkeypatch, tmp_path):
     (tmp_path / "computed_things.py").write_text(
         "from mmrl.registry import THINGS\n\nfor size in (1, 2):\n    THINGS.register(f'size{size}')(size)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     things.fill_from("computed_things")
     things.fill_from("absent_module_of_things")
     assert "computed_things" not in sys.modules
