@@ -1,8 +1,5 @@
 """The `mmrl` command line: every subcommand has --help; `mmrl list` shows recipes and all registries."""
 
-import subprocess
-import sys
-
 import pytest
 
 from mmrl.cli import main
@@ -57,10 +54,3 @@ def test_list_shows_recipes_and_every_registry(capsys):
 def test_unknown_bench_is_a_clear_error(capsys):
     assert main(["bench", "cor"]) == 2
     assert "did you mean 'core'" in capsys.readouterr().err
-
-
-def test_console_script_and_module_entry_points():
-    out = subprocess.run(
-        [sys.executable, "-m", "mmrl", "list"], capture_output=True, text=True, check=True
-    ).stdout
-    assert "trainer (" in out
