@@ -19,6 +19,7 @@ from diffusion_rl.reward_config import (
 )
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
+from mmrl.precision import BaseDtype, base_dtype_option, check_base_dtype
 from mmrl.registry import ADVANTAGES
 
 
@@ -36,6 +37,7 @@ class ModelConfig:
         "attention_mlp: those, the text stream's (add_q/k/v_proj, to_add_out) and the MLP projections "
         "(ff, ff_context; FLUX's single blocks' proj_mlp)",
     )
+    base_dtype: BaseDtype = base_dtype_option()
     frozen_dtype: Literal["float32", "bfloat16", "float16"] = option(
         "float32",
         "dtype of the text encoders and the VAE, which are never trained (bfloat16: half the memory)",
@@ -48,6 +50,9 @@ class ModelConfig:
         "encode the training and held-out prompts once at the start, keep their embeddings in CPU memory "
         "and move the text encoders off the GPU (`--dry-run` prints the cache's size)",
     )
+
+    def __post_init__(self) -> None:
+        check_base_dtype(self.base_dtype, self.lora_rank)
 
 
 def call_rows_option() -> Any:

@@ -15,6 +15,7 @@ from diffusion_rl.models import FlowPipeline
 from diffusion_rl.sampling import evaluation_prompts
 from diffusion_rl.shapes import train_prompts
 from mmrl.config import ConfigError, shipped_path
+from mmrl.precision import keep_adapter_in_float32
 from mmrl.resources import check_enough_prompts
 
 LORA_TARGETS = {  # module-name suffixes, by model.lora_targets
@@ -165,23 +166,25 @@ def resolve_model_path(path: str) -> Path:
 
 def trainable_denoiser(denoiser: torch.nn.Module, model: ModelConfig) -> list[torch.nn.Parameter]:
     """The parameters training updates: every weight, or (model.lora_rank > 0) a LoRA adapter added
-    on the projections model.lora_targets names (LORA_TARGETS), the rest frozen. With
-    model.gradient_checkpointing the denoiser recomputes its blocks in the backward pass."""
+    on the projections model.lora_targets names (LORA_TARGETS), in float32 whatever the frozen rest is
+    held in (`FlowPipeline.set_base_dtype`). With model.gradient_checkpointing the denoiser recomputes
+    its blocks in the backward pass."""
     if model.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
-    if model.lora_rank > 0:
-        from peft import LoraConfig
+    if model.lora_rank == 0:
+        return [p for p in denoiser.parameters() if p.requires_grad]
+    from peft import LoraConfig
 
-        denoiser.requires_grad_(False)
-        denoiser.add_adapter(
-            LoraConfig(
-                r=model.lora_rank,
-                lora_alpha=model.lora_alpha or model.lora_rank,
-                init_lora_weights="gaussian",
-                target_modules=LORA_TARGETS[model.lora_targets],
-            )
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(
+        LoraConfig(
+            r=model.lora_rank,
+            lora_alpha=model.lora_alpha or model.lora_rank,
+            init_lora_weights="gaussian",
+            target_modules=LORA_TARGETS[model.lora_targets],
         )
-    return [p for p in denoiser.parameters() if p.requires_grad]
+    )
+    return keep_adapter_in_float32([p for p in denoiser.parameters() if p.requires_grad])
 
 
 def check_prompt_count(cfg: Any, prompts: int, processes: int) -> None:

@@ -43,6 +43,7 @@ from mmrl.memory_plan import (
     per_process_sizes,
     weight_bytes,
 )
+from mmrl.precision import base_dtype_note, lora_base_dtype
 
 EVAL_BATCH = 64  # sample_ode's prompts per chunk
 PROMPT = "a photo of a red square"  # any prompt: the conditioning's shape does not depend on it
@@ -117,6 +118,7 @@ def diffusion_memory_plan(
     with torch.device("meta"):
         pipe = load(resolve_model_path(config.model.path), weights=False)
         pipe.set_frozen_dtype(getattr(torch, config.model.frozen_dtype))
+        pipe.set_base_dtype(lora_base_dtype(config.model.base_dtype, config.model.lora_rank, None))
         pipe.call_rows = r.call_rows  # a step's rows in calls of this many: the plan measures those calls
         if r.image_size is not None:
             try:
@@ -209,6 +211,7 @@ def diffusion_memory_plan(
     if truncated is not None:
         warnings.append(truncated)
     batch.append(f"{leaves} samples per prompt; updates of train.micro_batch = {t.micro_batch} rows")
+    notes = [base_dtype_note(config.model)] if config.model.lora_rank > 0 else []
     return MemoryPlan(
         recipe=recipe,
         processes=processes,
@@ -221,4 +224,5 @@ def diffusion_memory_plan(
         batch=batch,
         warnings=warnings,
         blocks=largest_blocks(denoiser),
+        notes=notes,
     )

@@ -47,6 +47,8 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokeni
 from diffusion_rl.sde import flow_to_vp, shifted_sigmas
 
 PIPELINE_FILE = "mmrl_pipeline.json"
+# the model inputs `FlowPipeline._forward` gives a base held in a lower dtype in that dtype
+LOW_PRECISION_INPUTS = frozenset({"sample", "hidden_states", "encoder_hidden_states", "pooled_projections"})
 LORA_FILE = "mmrl_lora.json"  # a LoRA result's record of its base model
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name, which load_lora_weights looks for
 # What a flow model outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
@@ -212,6 +214,7 @@ class FlowPipeline:
         self.source: Path | None = None  # the directory `loading.load` read, which a LoRA result names
         self.prompt_cache: dict[str, Conditioning] | None = None  # `cache_prompts`
         self.call_rows: int | None = None  # `_in_fixed_rows`
+        self.base_dtype = torch.float32  # `set_base_dtype`
         for frozen in (text_encoder, vae):
             if frozen is not None:
                 frozen.requires_grad_(False)
@@ -515,6 +518,14 @@ class FlowPipeline:
             parts.append(self.vae)
         return [module for module in parts if module is not None]
 
+    def set_base_dtype(self, dtype: torch.dtype) -> None:
+        """Hold the denoiser's weights in `dtype` (bfloat16: the frozen base of a LoRA run, at half the
+        memory of float32) and call it on inputs in that dtype (`_forward`); the velocity comes out in
+        float32 all the same. Set it before the adapter is added (the trainer's
+        adapter stays float32: `mmrl.precision.keep_adapter_in_float32`)."""
+        self.denoiser.to(dtype)
+        self.base_dtype = dtype
+
     def set_frozen_dtype(self, dtype: torch.dtype) -> None:
         """Keep the text encoders and the VAE in `dtype` (e.g. bfloat16: half the memory of float32);
         prompt embeddings come out in the denoiser's dtype and images in float32 all the same."""
@@ -678,13 +689,26 @@ class FlowPipeline:
     ) -> torch.Tensor:
         timestep = timestep.to(device=x.device, dtype=x.dtype)
         if self.is_unet:
-            return model(x, timestep, encoder_hidden_states=cond.embeds).sample
-        return model(
+            return self._forward(model, sample=x, timestep=timestep, encoder_hidden_states=cond.embeds)
+        return self._forward(
+            model,
             hidden_states=x,
             timestep=timestep,
             encoder_hidden_states=cond.embeds,
             pooled_projections=cond.pooled,
-        ).sample
+        )
+
+    def _forward(self, model: torch.nn.Module, **inputs: Any) -> torch.Tensor:
+        """The network's output (``.sample``) on `inputs`; with a base in a lower dtype (`set_base_dtype`)
+        the latents and the prompt's embeddings in that dtype (timesteps, guidance and position ids stay
+        float32, as diffusers' pipelines pass them), so that its activations are held in that dtype
+        (a float32 adapter computes in float32: peft casts its input), and the output in float32."""
+        if self.base_dtype == torch.float32:
+            return model(**inputs).sample
+        for name in LOW_PRECISION_INPUTS.intersection(inputs):
+            if inputs[name] is not None:
+                inputs[name] = inputs[name].to(self.base_dtype)
+        return model(**inputs).sample.float()
 
     def _call_flux(
         self,
@@ -702,7 +726,8 @@ class FlowPipeline:
         embedded = None
         if self.guidance_embedded:
             embedded = torch.full((b,), float(guidance), device=x.device, dtype=torch.float32)
-        out = model(
+        out = self._forward(
+            model,
             hidden_states=pack_latents(x),
             timestep=timestep.to(device=x.device, dtype=x.dtype) / 1000,
             guidance=embedded,
@@ -710,7 +735,7 @@ class FlowPipeline:
             encoder_hidden_states=cond.embeds,
             txt_ids=torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=x.dtype),
             img_ids=latent_image_ids(height, width, x.device, x.dtype),
-        ).sample
+        )
         return unpack_latents(out, height, width)
 
     def timestep_for(self, alpha_bar: torch.Tensor) -> torch.Tensor:

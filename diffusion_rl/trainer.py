@@ -53,6 +53,7 @@ from mmrl.checkpoint import STEP_PREFIX, list_checkpoints
 from mmrl.config import ConfigError
 from mmrl.credit import GroupedRewards
 from mmrl.memory_plan import MemoryPlan
+from mmrl.precision import lora_base_dtype
 from mmrl.rewards import RewardFn
 from mmrl.run_stops import TrainingStopped
 from mmrl.runlog import write_json
@@ -116,6 +117,9 @@ class DiffusionTrainer(Trainer):
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         self.pipe.to(self.accelerator.device)
         self.pipe.set_frozen_dtype(getattr(torch, cfg.model.frozen_dtype))
+        self.pipe.set_base_dtype(
+            lora_base_dtype(cfg.model.base_dtype, cfg.model.lora_rank, self.accelerator.device)
+        )
         if cfg.rollout.image_size is not None:
             try:
                 self.pipe.set_image_size(cfg.rollout.image_size)

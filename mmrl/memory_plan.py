@@ -338,8 +338,9 @@ class MemoryPlan:
         )
         if launch.compute_bytes == 2:
             plan.notes.append(
-                f"{launch.mixed_precision} mixed precision: activations are planned in float32, most of "
-                "them are half that"
+                f"{launch.mixed_precision} mixed precision: activations are planned in the dtype of the "
+                "weights they come from (float32 for trained weights, the frozen base's dtype under LoRA); "
+                "under autocast most of the float32 ones are half that"
             )
         if launch.offload_params:
             plan.notes.append("fsdp_offload_params: the sharded states above live in CPU memory instead")

@@ -20,11 +20,13 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mmrl.config import ConfigError, option
 from mmrl.registry import PRECISIONS
 
 E2M1_MAX = 6.0
@@ -274,3 +276,60 @@ def autocast_context(precision: str, device: torch.device | str) -> AbstractCont
     if precision == "bf16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+BaseDtype = Literal["auto", "float32", "bfloat16", "float16"]  # `model.base_dtype` of the LoRA trainers
+
+
+def base_dtype_option() -> Any:
+    """`model.base_dtype` of every trainer with LoRA (`lora_base_dtype`)."""
+    return option(
+        "auto",
+        "dtype of the frozen base weights under LoRA (model.lora_rank > 0): auto is bfloat16 on a CUDA "
+        "device that supports it and float32 elsewhere; the forward runs in this dtype, the adapter, its "
+        "products and its optimizer state in float32",
+    )
+
+
+def check_base_dtype(name: str, lora_rank: int) -> None:
+    """Refuse a low `model.base_dtype` without LoRA, where every weight trains (in float32)."""
+    if lora_rank == 0 and name not in ("auto", "float32"):
+        raise ConfigError(
+            f"config error: model.base_dtype = {name!r} holds the frozen base of a LoRA run in that dtype, "
+            "but model.lora_rank = 0 trains every weight (in float32): set model.lora_rank > 0 or "
+            "model.base_dtype=auto"
+        )
+
+
+def lora_base_dtype(name: str, lora_rank: int, device: torch.device | str | None) -> torch.dtype:
+    """The dtype a run keeps its frozen base weights in (`model.base_dtype`): float32 without LoRA;
+    with it the named dtype, where "auto" is bfloat16 on a CUDA device with bfloat16 support and float32
+    on anything else (a CPU holds a bfloat16 base only when asked). `device` None is the device a
+    `--dry-run` plan is made for: a GPU with bfloat16."""
+    if lora_rank == 0:
+        return torch.float32
+    if name != "auto":
+        return getattr(torch, name)
+    if device is None:
+        return torch.bfloat16
+    device = torch.device(device)
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def base_dtype_note(model: Any) -> str:
+    """What a `--dry-run` plan of a LoRA run says of the dtype it holds the frozen base in."""
+    if model.base_dtype == "auto":
+        return (
+            "the frozen base is planned in bfloat16 (model.base_dtype = auto, as on a GPU with bfloat16; "
+            "on a CPU auto holds it in float32: plan that with model.base_dtype=float32)"
+        )
+    return f"the frozen base is planned in {model.base_dtype} (model.base_dtype)"
+
+
+def keep_adapter_in_float32(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The trained (adapter) parameters in float32 whatever dtype their base layer has: peft creates
+    them in the base's dtype; `params` is returned."""
+    for param in params:
+        if param.dtype != torch.float32:
+            param.data = param.data.float()
+    return params

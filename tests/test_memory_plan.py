@@ -52,12 +52,16 @@ RUNS = {
 
 
 def run_config(recipe, replicas, tmp_path, *extra):
+    """The recipe on its replica, small; a LoRA recipe with its base in bfloat16 on the CPU too, as the
+    plan holds it (model.base_dtype auto plans the GPU's bfloat16)."""
     model, sizes = RUNS[recipe]
     overrides = (
         ["steps=1", "progress=false", "eval.steps=2"]
         if model is None
         else replica_run(replicas, model, tmp_path)
     )
+    if load_config(recipe, []).model.lora_rank > 0:
+        overrides.append("model.base_dtype=bfloat16")
     return load_config(recipe, [*overrides, f"output_dir={tmp_path / 'run'}", *sizes, *extra])
 
 
@@ -205,8 +209,11 @@ def test_the_full_size_model_plans_from_its_configs_alone(tmp_path, capsys):
     assert 16.8e9 < plan["parameters"] < 17.0e9
     assert 0 < plan["trainable_parameters"] < 0.01 * plan["parameters"]  # a LoRA adapter
     sizes = plan["bytes"]
-    # the transformer in float32, the text encoders in bfloat16 (model.frozen_dtype), the reward models
-    assert sizes["weights"] > 4 * 11.9e9 + 2 * 4.88e9
+    # the transformer's frozen base in bfloat16 (model.base_dtype auto, on a GPU) with its float32
+    # adapter, the text encoders in bfloat16 (model.frozen_dtype), the reward models
+    transformer = sizes["weights"] - sum(plan["other_weights"].values())
+    adapter = 4 * plan["trainable_parameters"]
+    assert 2 * 11.8e9 < transformer - adapter < 2 * 11.95e9
     assert plan["other_weights"]["text encoders"] < 2.01 * 4.88e9
     assert sizes["gradients"] == 4 * plan["trainable_parameters"]
     # AdamW's two moments, and a step count per tensor

@@ -14,7 +14,8 @@ from vlm_rl.config import DEFAULT_MODEL, ToolRolloutConfig
 from vlm_rl.data import DataConfig, QuestionSet
 from vlm_rl.loading import load
 from vlm_rl.memory_plan import longest_conversation
-from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
+from vlm_rl.models import VLMAdapter
+from vlm_rl.policy_weights import enable_gradient_checkpointing
 from vlm_rl.trainer import ToolGRPOTrainer
 
 load_plugins()

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from mmrl.advantages import check_group_size
 from mmrl.config import BaseConfig, ConfigError, option
 from mmrl.partial import groups_in_flight
+from mmrl.precision import BaseDtype, base_dtype_option, check_base_dtype
 from mmrl.resources import ACTIVATION_FLOATS, check_enough_prompts, check_memory
 from vlm_rl.data import DataConfig
 
@@ -115,6 +116,19 @@ class PolicyConfig:
     gradient_checkpointing: bool = option(
         False, "recompute the decoder layers in the backward pass instead of keeping their activations"
     )
+    lora_rank: int = option(
+        0, "LoRA rank on the language model's decoder layers; 0 trains every weight", min=0
+    )
+    lora_alpha: float = option(0.0, "LoRA alpha (0: equal to the rank)", min=0.0)
+    lora_targets: Literal["attention", "attention_mlp"] = option(
+        "attention",
+        "what LoRA adapts: the decoder layers' attention projections (q, k, v, o), or attention_mlp: those "
+        "and the MLP's (gate, up, down); the vision tower stays frozen",
+    )
+    base_dtype: BaseDtype = base_dtype_option()
+
+    def __post_init__(self) -> None:
+        check_base_dtype(self.base_dtype, self.lora_rank)
 
 
 @dataclass

@@ -14,7 +14,6 @@ engine's weights and cache instead), and an evaluation chunk like a rollout.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from typing import Any
 
@@ -32,10 +31,12 @@ from mmrl.memory_plan import (
     per_process_sizes,
     weight_bytes,
 )
+from mmrl.precision import base_dtype_note
 from vlm_rl.conversation import prompt_segment
 from vlm_rl.data import QuestionSet
 from vlm_rl.loading import load
-from vlm_rl.models import Segment, VLMAdapter, enable_gradient_checkpointing
+from vlm_rl.models import Segment, VLMAdapter
+from vlm_rl.policy_weights import trainable_policy
 
 CROP = (0.25, 0.25, 0.75, 0.75)  # the observations' crops: the middle of the image, as fractions
 
@@ -65,11 +66,8 @@ def tool_grpo_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
             adapter = load(path, weights=False)
     except (FileNotFoundError, OSError, ValueError) as err:
         raise ConfigError(f"config error: model.path = {config.model.path!r}: {err}") from None
+    reference, trained = trainable_policy(adapter, config.model, t.kl_coef, None)
     model = adapter.model
-    if config.model.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    reference = copy.deepcopy(model).requires_grad_(False) if t.kl_coef > 0 else None
-    trained = [p for p in model.parameters() if p.requires_grad]
     with torch.device("meta"):
         optimizer = torch.optim.AdamW(trained, lr=t.lr)
     question = QuestionSet(config.data, "heldout")[0]
@@ -152,4 +150,5 @@ def tool_grpo_memory_plan(config: Any, recipe: str, processes: int) -> MemoryPla
         batch=batch,
         warnings=warnings,
         blocks=largest_blocks(model),
+        notes=[base_dtype_note(config.model)] if config.model.lora_rank > 0 else [],
     )

@@ -56,6 +56,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmrl.noise import NoiseKey, keyed_rand_batch
+from vlm_rl.policy_weights import merged_state_dict
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
@@ -312,12 +313,6 @@ class TinyVLMSpec:
     max_positions: int = 4096
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each layer's activations in the backward pass (while the model trains): the same
-    gradients, a layer's activations instead of all of them held at once."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 class VLMAdapter(ABC):
     """A chat VLM with what multi-turn tool rollouts and their training need (see the module docstring).
 
@@ -336,6 +331,7 @@ class VLMAdapter(ABC):
         self.model = model
         self.tokenizer = tokenizer
         self.image_processor = image_processor
+        self.base_dtype = torch.float32  # `hold_base_in`
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.image_token_id = model.config.image_token_id
         # The policy never writes vision tokens: a generated placeholder would have no image behind it.
@@ -355,8 +351,9 @@ class VLMAdapter(ABC):
         return tokenizer, cls.image_processor_class.from_pretrained(directory, local_files_only=True)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Config, safetensors weights, tokenizer files and preprocessor_config.json in one folder."""
-        self.model.save_pretrained(path)
+        """Config, safetensors weights, tokenizer files and preprocessor_config.json in one folder; a
+        LoRA adapter (`vlm_rl.lora`) is saved merged into the weights it adapts."""
+        self.model.save_pretrained(path, state_dict=merged_state_dict(self.model))
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
 
@@ -368,6 +365,14 @@ class VLMAdapter(ABC):
     def to(self, device: torch.device | str) -> VLMAdapter:
         self.model.to(device)
         return self
+
+    def hold_base_in(self, dtype: torch.dtype) -> None:
+        """Keep the model's weights in `dtype` (bfloat16: a LoRA run's frozen base at half the memory of
+        float32, before `vlm_rl.policy_weights.add_lora` adds the float32 adapter): its forward then
+        runs in `dtype`, the adapter's products in float32 (peft casts their input), and scores and
+        samples from float32 logits (`allowed`)."""
+        self.model.to(dtype)
+        self.base_dtype = dtype
 
     @property
     def device(self) -> torch.device:
@@ -750,7 +755,7 @@ class VLMAdapter(ABC):
         cache.reorder_cache(index)
         sequence = inputs["input_ids"][index]
         attention_mask = inputs["attention_mask"][index]
-        logits = first.logits[0][index]
+        logits = first.logits[0][index].float()
         stop = torch.tensor(stop_ids, device=self.device)
         unfinished = torch.ones(len(rows), dtype=torch.bool, device=self.device)
         steps = []

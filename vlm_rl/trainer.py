@@ -30,7 +30,6 @@ policy sampled, and the conversations dropped for staleness.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,8 @@ from vlm_rl.conversation import Trajectory
 from vlm_rl.data import QuestionSet
 from vlm_rl.heldout_eval import evaluate_questions
 from vlm_rl.loading import load
-from vlm_rl.models import VLMAdapter, enable_gradient_checkpointing
+from vlm_rl.models import VLMAdapter
+from vlm_rl.policy_weights import trainable_policy
 from vlm_rl.rollout import generate, metrics_by_kind, rollout_metrics
 from vlm_rl.schedules import CarriedGroups, Groups, StepGroups, TreeRollout, Trees
 from vlm_rl.vllm_engine import INSTALL_HINT, VLLMTurnGenerator, vllm_available
@@ -131,12 +131,10 @@ class ToolGRPOTrainer(Trainer):
                 cfg.train.group_size,
                 cfg.seed,
             )
-        self.reference = None
-        if cfg.train.kl_coef > 0:
-            self.reference = copy.deepcopy(self.adapter.model).requires_grad_(False)
-        if cfg.model.gradient_checkpointing:
-            enable_gradient_checkpointing(self.adapter.model)
-        self.prepare_model_and_optimizer(self.adapter.model, lr=cfg.train.lr, weight_decay=0.0)
+        self.reference, trained = trainable_policy(
+            self.adapter, cfg.model, cfg.train.kl_coef, self.accelerator.device
+        )
+        self.prepare_model_and_optimizer(self.adapter.model, trained, lr=cfg.train.lr, weight_decay=0.0)
         self.policy_loss = LOSSES.get(cfg.train.loss)
 
     @classmethod

@@ -41,6 +41,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from mmrl.noise import NoiseKey
 from vlm_rl.models import IM_END, TOOL_CALL_END, Generation, Segment, VLMAdapter, shared_prefixes
+from vlm_rl.policy_weights import merged_state_dict
 
 INSTALL_HINT = (
     "the vLLM rollout backend needs vLLM: on a GPU machine `pip install vllm` (it pins its own torch: "
@@ -135,11 +136,12 @@ class VLLMTurnGenerator:
         self.allowed_ids = [i for i in range(min(len(vocabulary), size)) if i not in banned]
 
     def load_weights(self, model: torch.nn.Module) -> None:
-        """Copy `model`'s parameters (the transformers policy) into the engine; drop what was cached.
+        """Copy `model`'s parameters (the transformers policy, a LoRA adapter merged into the weights it
+        adapts) into the engine; drop what was cached.
         Names go as a checkpoint on disk has them (transformers renames some modules when it loads).
         An engine asleep gets its weights' memory back first and its key/value cache only after the
         copy, so that both are never held beside the copy's source at once."""
-        state = revert_weight_conversion(model, model.state_dict())
+        state = revert_weight_conversion(model, merged_state_dict(model))
         weights = [(name, tensor.detach()) for name, tensor in state.items()]
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
