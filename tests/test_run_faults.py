@@ -256,13 +256,19 @@ def test_a_real_sigint_stops_the_run_with_its_record(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        # a shell's background job inherits SIGINT ignored, and Python then keeps ignoring it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not list_checkpoints(run_dir / "checkpoints"):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # the interrupt was lost: show what the run said
+        proc.kill()
+        pytest.fail(f"the run went on after SIGINT; its stderr ends:\n{proc.communicate()[1][-3000:]}")
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and len([x for x in err.splitlines() if x.startswith("error:")]) == 1, err
     assert "error: run stopped: interrupted (Ctrl-C)" in err and "--resume" in err
