@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from safetensors import SafetensorError, safe_open
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
@@ -49,11 +50,20 @@ FLUX_UNSUPPORTED_SCHEDULE = (
 )
 
 
-def load(path: str | Path, *, weights: bool = True) -> FlowPipeline:
+def load(
+    path: str | Path,
+    *,
+    weights: bool = True,
+    denoiser_dtype: torch.dtype | None = None,
+    frozen_dtype: torch.dtype | None = None,
+) -> FlowPipeline:
     """The pipeline in the model directory `path`: the project's layout, a local diffusers pipeline or a
-    LoRA result (its base with the adapter merged in). With `weights` False, the same pipeline built
-    from its config files alone, its networks with random weights in the current default device (a
-    LoRA result gives its base).
+    LoRA result (its base with the adapter merged in), its denoiser in `denoiser_dtype` and its text
+    encoders and VAE in `frozen_dtype` (None: float32 as read, or the default dtype without weights); a
+    diffusers pipeline is read in those dtypes, so that a large model never stands in float32 in memory
+    on its way to bfloat16. With `weights` False, the same
+    pipeline built from its config files alone, its networks with random weights in the current
+    default device (a LoRA result gives its base).
 
     A directory of another kind, or one whose files are missing, malformed or of another model, is a
     ConfigError (or FileNotFoundError) that says what was found and what is expected."""
@@ -65,11 +75,20 @@ def load(path: str | Path, *, weights: bool = True) -> FlowPipeline:
             return load(base, weights=False)
         pipe = _merged_lora(load(base), directory, base, folder)
     elif kind == "diffusers":
-        pipe = _wrap_diffusers(directory, _diffusers_pipeline(directory, weights))
+        dtypes = {
+            "transformer": denoiser_dtype or torch.float32,
+            "unet": denoiser_dtype or torch.float32,
+            "default": frozen_dtype or torch.float32,
+        }
+        pipe = _wrap_diffusers(directory, _diffusers_pipeline(directory, weights, dtypes))
     else:
         pipe = _own_layout(directory, weights)
     if weights:
         pipe.source = directory  # the directory a LoRA result trained on it names as its base
+    if denoiser_dtype is not None:
+        pipe.denoiser.to(denoiser_dtype)
+    if frozen_dtype is not None:
+        pipe.set_frozen_dtype(frozen_dtype)
     return pipe
 
 
@@ -157,9 +176,10 @@ def _own_layout_parts(directory: Path, settings: dict[str, Any], folder: str) ->
     return denoiser, text_encoder, tokenizer, vae
 
 
-def _diffusers_pipeline(directory: Path, weights: bool) -> Any:
-    """The local diffusers pipeline in `directory`, read with its weights, or (`weights` False) its
-    networks built from their configs (`empty_diffusers_pipeline`)."""
+def _diffusers_pipeline(directory: Path, weights: bool, dtypes: dict[str, torch.dtype]) -> Any:
+    """The local diffusers pipeline in `directory`, read with its weights in `dtypes` (diffusers'
+    `torch_dtype` by component, "default" for the rest), or (`weights` False) its networks built from
+    their configs (`empty_diffusers_pipeline`)."""
     from diffusers import DiffusionPipeline
 
     index, _ = check_diffusers_layout(directory)
@@ -170,7 +190,7 @@ def _diffusers_pipeline(directory: Path, weights: bool) -> Any:
     absent = {part: None for part, entry in index.items() if entry == [None, None]}
     try:
         return DiffusionPipeline.from_pretrained(
-            directory, use_safetensors=True, local_files_only=True, **absent
+            directory, use_safetensors=True, local_files_only=True, dtype=dtypes, **absent
         )
     except LOAD_ERRORS as err:
         raise ConfigError(f"{directory}: the diffusers {name} does not load ({one_line(err)})") from None

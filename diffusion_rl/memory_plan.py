@@ -9,7 +9,8 @@ Four phases are measured: the update (a forward and backward of `train.micro_bat
 velocity the trainer trains, guidance included where it trains with it, then the optimizer step), a
 rollout step (one model call on every row a step evaluates at once, twice with classifier-free
 guidance), decoding every sample to pixels, and a held-out evaluation's chunk of prompts (a model call
-and decoding).
+and decoding); with `model.cache_prompt_embeddings` a fifth, the text encoders filling the cache (they
+are held then and not after).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from diffusion_rl.inputs import (
 )
 from diffusion_rl.loading import load
 from diffusion_rl.models import FlowPipeline
+from diffusion_rl.rewards import option_dtype
 from mmrl.config import ConfigError
 from mmrl.memory_plan import (
     MemoryPlan,
@@ -43,7 +45,7 @@ from mmrl.memory_plan import (
     per_process_sizes,
     weight_bytes,
 )
-from mmrl.precision import base_dtype_note, lora_base_dtype
+from mmrl.precision import base_dtype_note, default_dtype, lora_base_dtype
 
 EVAL_BATCH = 64  # sample_ode's prompts per chunk
 PROMPT = "a photo of a red square"  # any prompt: the conditioning's shape does not depend on it
@@ -51,7 +53,8 @@ PROMPT = "a photo of a red square"  # any prompt: the conditioning's shape does 
 
 def reward_model_bytes(names_and_options: list[tuple[str, dict[str, Any]]]) -> int:
     """Weights of the rewards that load a transformers model from `model_path` (CLIP score, PickScore,
-    aesthetic), built from its config on the meta device; rewards without one hold small scorers."""
+    aesthetic), built from its config on the meta device in the dtype they load it in (their `dtype`
+    option, float32 by default); rewards without one hold small scorers."""
     from transformers import AutoConfig, AutoModel
 
     total = 0
@@ -59,9 +62,11 @@ def reward_model_bytes(names_and_options: list[tuple[str, dict[str, Any]]]) -> i
         path = options.get("model_path")
         if path is None or not (Path(path) / "config.json").is_file():
             continue
+        dtype = option_dtype(options.get("dtype", "float32"))
         try:
-            with torch.device("meta"):
-                model = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            with torch.device("meta"), default_dtype(dtype):
+                model = AutoModel.from_config(config, dtype=dtype)
         except (OSError, ValueError, KeyError) as err:
             raise ConfigError(f"config error: reward {name!r}: model_path = {path!r}: {err}") from None
         total += weight_bytes([model])
@@ -164,6 +169,13 @@ def diffusion_memory_plan(
             velocity(eval_rows, config.eval.guidance_scale)
             pipe.decode(torch.empty(eval_rows, *pipe.latent_shape(), device="meta"))
 
+    frozen = pipe.frozen_modules()
+    text_encoders = [module for module in frozen if module is not pipe.vae]
+    cached = 1 + (len(located) if located is not None else r.prompts_per_step + eval_rows)
+
+    def cache_prompts() -> None:  # the encoders on the device while they encode (`cache_prompts`)
+        pipe._encode_prompts([PROMPT] * min(cached, EVAL_BATCH))
+
     gradients = sum(p.numel() * p.element_size() for p in trained)
     phases = {
         f"update ({t.micro_batch} rows)": replace(
@@ -173,8 +185,13 @@ def diffusion_memory_plan(
         f"decode ({call_rows} images)": measure_phase(decode, denoiser, optimizer, config.optimizer),
         f"evaluation ({eval_rows} prompts)": measure_phase(evaluate, denoiser, optimizer, config.optimizer),
     }
-    frozen = pipe.frozen_modules()
-    text_encoders = [module for module in frozen if module is not pipe.vae]
+    if config.model.cache_prompt_embeddings:
+        with torch.no_grad():
+            caching = measure_phase(cache_prompts, denoiser, optimizer, config.optimizer)
+        # before the optimizer exists; the encoders' weights are the phase's own
+        phases["prompt caching (the text encoders)"] = replace(
+            caching, optimizer=0, transient=caching.transient + weight_bytes(text_encoders)
+        )
     other = {}
     if not config.model.cache_prompt_embeddings:
         other["text encoders"] = weight_bytes(text_encoders)

@@ -546,10 +546,14 @@ class FlowPipeline:
         return Conditioning.cat([self.prompt_cache[p] for p in prompts]).to(self.device).to(dtype)
 
     @torch.no_grad()
-    def cache_prompts(self, prompts: Sequence[str], batch_size: int = 64) -> int:
+    def cache_prompts(
+        self, prompts: Sequence[str], batch_size: int = 64, release_encoders: bool = False
+    ) -> int:
         """Encode `prompts` once (in batches on the pipeline's device) and keep their embeddings in CPU
         memory, from which `encode_prompts` reads them from then on; the text encoders move to the CPU,
-        so the device holds the denoiser and the VAE only. Returns the cache's bytes."""
+        so the device holds the denoiser and the VAE only, or with `release_encoders` their weights are
+        dropped altogether (a run whose result is an adapter never needs them again). Returns the
+        cache's bytes."""
         unique = list(dict.fromkeys(prompts))
         cache = {}
         for start in range(0, len(unique), batch_size):
@@ -558,7 +562,7 @@ class FlowPipeline:
             cache |= {prompt: cond[i : i + 1] for i, prompt in enumerate(chunk)}  # together, the chunk
         for module in self.frozen_modules():
             if module is not self.vae:
-                module.to("cpu")
+                module.to("meta" if release_encoders else "cpu")
         self.prompt_cache = cache
         return sum(c.nbytes for c in cache.values())
 

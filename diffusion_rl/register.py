@@ -1,7 +1,7 @@
 """Entry point `mmrl.plugins`: declares the diffusion_rl modules that register trainers, rewards,
-replicas, benches, GPU-bench sections and the evaluator. Each module is imported when one of its entries
-is first used (`mmrl.registry.provide`), so a command that runs no diffusion code does not load
-diffusers."""
+replicas, benches, GPU-bench sections, real-size runs and the evaluator. Each module is imported when
+one of its entries is first used (`mmrl.registry.provide`), so a command that runs no diffusion code
+does not load diffusers."""
 
 from mmrl.registry import provide
 
@@ -17,5 +17,6 @@ provide(
     "diffusion_rl.bench.method_cost",
     "diffusion_rl.bench.gradient_signal",
     "diffusion_rl.bench.real_models",
+    "diffusion_rl.bench.real_size",
     "diffusion_rl.evaluate",
 )

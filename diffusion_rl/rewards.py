@@ -129,7 +129,7 @@ def local_model_dir(model_path: str | Path) -> Path:
     return path
 
 
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def option_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A dtype from its config name ('float32', 'bfloat16', ...) or as given."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -189,7 +189,7 @@ class ClipScorer:
         if found != "clip":  # checked first: transformers would build a default CLIP and fill it at random
             raise ConfigError(f"{key} holds a {found!r} model, not a CLIP model (model_type 'clip'): {fix}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        torch_dtype = _torch_dtype(dtype)
+        torch_dtype = option_dtype(dtype)
         try:
             self.model, info = CLIPModel.from_pretrained(
                 model_dir,

@@ -111,15 +111,15 @@ class DiffusionTrainer(Trainer):
             self.gold_reward_fn = build_reward(gold["name"], gold["options"], "eval.gold_reward.")
         self.check_reward_servers()
         model_dir = resolve_model_path(cfg.model.path)
+        base_dtype = lora_base_dtype(cfg.model.base_dtype, cfg.model.lora_rank, self.accelerator.device)
         try:
-            self.pipe = load(model_dir)
+            self.pipe = load(
+                model_dir, denoiser_dtype=base_dtype, frozen_dtype=getattr(torch, cfg.model.frozen_dtype)
+            )
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
         self.pipe.to(self.accelerator.device)
-        self.pipe.set_frozen_dtype(getattr(torch, cfg.model.frozen_dtype))
-        self.pipe.set_base_dtype(
-            lora_base_dtype(cfg.model.base_dtype, cfg.model.lora_rank, self.accelerator.device)
-        )
+        self.pipe.set_base_dtype(base_dtype)
         if cfg.rollout.image_size is not None:
             try:
                 self.pipe.set_image_size(cfg.rollout.image_size)
@@ -133,8 +133,9 @@ class DiffusionTrainer(Trainer):
         self.check_size()
         self.pipe.call_rows = cfg.rollout.call_rows
         if cfg.model.cache_prompt_embeddings:
-            self.pipe.cache_prompts(
-                [*self.prompts, *evaluation_prompts(cfg.eval.prompts, self.heldout_prompts), ""]
+            self.pipe.cache_prompts(  # a LoRA result is the adapter: the encoders are not needed again
+                [*self.prompts, *evaluation_prompts(cfg.eval.prompts, self.heldout_prompts), ""],
+                release_encoders=cfg.model.lora_rank > 0,
             )
         self.reference = None
         if cfg.train.kl_coef > 0:

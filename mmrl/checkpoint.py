@@ -224,7 +224,9 @@ def _write_checkpoint_files(
     tmp.mkdir()
     files = []
     if model is not None:
-        model_state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+        # the live tensors where they are on the CPU already (save_file reads them now), not a copy of
+        # the whole model; tied weights are copied once, as safetensors needs
+        model_state = _unshared({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         save_file(model_state, tmp / "model.safetensors")
         files.append("model.safetensors")
     json_state: dict[str, Any] = {"step": step}

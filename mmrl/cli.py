@@ -51,6 +51,7 @@ BUILTIN_MODULES = (
     "mmrl.bench_core",
     "mmrl.bench_all",
     "mmrl.bench_gpu",
+    "mmrl.bench_realsize",
 )
 
 

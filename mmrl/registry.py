@@ -231,6 +231,10 @@ GPU_BENCH_SECTIONS: Registry[Callable] = Registry(
     "gpu_bench_section",
     "sections of `mmrl bench gpu`, each called as section(options, device, workdir) for its rows",
 )
+REALSIZE_RUNS: Registry[Callable] = Registry(
+    "realsize_run",
+    "real-size runs of `mmrl bench realsize`, each called with no argument for its `RealSizeRun`",
+)
 REPLICAS: Registry[Callable] = Registry(
     "replica", "tiny replicas of real models, saved by `mmrl replica NAME` (directory, seed, full)"
 )

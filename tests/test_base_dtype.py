@@ -63,8 +63,11 @@ def test_a_bfloat16_denoiser_base_keeps_the_adapter_and_its_states_in_float32(sd
         f"model.path={sd3_base}",
         "steps=1",
         "model.base_dtype=bfloat16",
+        "model.cache_prompt_embeddings=true",
     )
     assert split_by_training(trainer.pipe.denoiser) == ({torch.bfloat16}, {torch.float32})
+    # the prompts were encoded once; a LoRA run's result is the adapter, so the encoders are released
+    assert {p.device.type for p in trainer.pipe.text_encoder.parameters()} == {"meta"}
     assert optimizer_dtypes(trainer.optimizer) == {torch.float32}
     # the result is a LoRA adapter in float32 that the loader merges into the (float32) base as before
     assert {t.dtype for t in load_file(tmp_path / "run/final/pytorch_lora_weights.safetensors").values()} == {

@@ -1,7 +1,7 @@
 """Entry point `mmrl.plugins`: declares the vlm_rl modules that register trainers, the adaptive tool
-reward, the replica, the speed bench (`mmrl bench vlm`), its GPU-bench section and the benchmark
-evaluator (`mmrl eval vlm`); each module is imported when one of its entries is first used
-(`mmrl.registry.provide`)."""
+reward, the replica, the speed bench (`mmrl bench vlm`), its GPU-bench section, its real-size run and
+the benchmark evaluator (`mmrl eval vlm`); each module is imported when one of its entries is first
+used (`mmrl.registry.provide`)."""
 
 from mmrl.registry import provide
 
@@ -13,5 +13,6 @@ provide(
     "vlm_rl.replicas",
     "vlm_rl.bench.rollout_speed",
     "vlm_rl.bench.gpu_rollouts",
+    "vlm_rl.bench.real_size",
     "vlm_rl.eval_benchmarks",
 )
