@@ -33,7 +33,7 @@ from diffusion_rl.inputs import (
     trainable_denoiser,
 )
 from diffusion_rl.loading import load
-from diffusion_rl.models import FlowPipeline
+from diffusion_rl.models import CACHE_BATCH, FlowPipeline
 from diffusion_rl.rewards import option_dtype
 from mmrl.config import ConfigError
 from mmrl.memory_plan import (
@@ -174,7 +174,7 @@ def diffusion_memory_plan(
     cached = 1 + (len(located) if located is not None else r.prompts_per_step + eval_rows)
 
     def cache_prompts() -> None:  # the encoders on the device while they encode (`cache_prompts`)
-        pipe._encode_prompts([PROMPT] * min(cached, EVAL_BATCH))
+        pipe._encode_prompts([PROMPT] * min(cached, CACHE_BATCH))
 
     gradients = sum(p.numel() * p.element_size() for p in trained)
     phases = {

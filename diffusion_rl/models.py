@@ -49,6 +49,7 @@ from diffusion_rl.sde import flow_to_vp, shifted_sigmas
 PIPELINE_FILE = "mmrl_pipeline.json"
 # the model inputs `FlowPipeline._forward` gives a base held in a lower dtype in that dtype
 LOW_PRECISION_INPUTS = frozenset({"sample", "hidden_states", "encoder_hidden_states", "pooled_projections"})
+CACHE_BATCH = 64  # prompts `FlowPipeline.cache_prompts` encodes at once
 LORA_FILE = "mmrl_lora.json"  # a LoRA result's record of its base model
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' name, which load_lora_weights looks for
 # What a flow model outputs: the velocity itself (SD3, FLUX), or the clean sample x0, turned into a
@@ -547,7 +548,7 @@ class FlowPipeline:
 
     @torch.no_grad()
     def cache_prompts(
-        self, prompts: Sequence[str], batch_size: int = 64, release_encoders: bool = False
+        self, prompts: Sequence[str], batch_size: int = CACHE_BATCH, release_encoders: bool = False
     ) -> int:
         """Encode `prompts` once (in batches on the pipeline's device) and keep their embeddings in CPU
         memory, from which `encode_prompts` reads them from then on; the text encoders move to the CPU,

@@ -111,7 +111,7 @@ def measure(name: str, run: RealSizeRun, folder: Path) -> dict[str, Any]:
         if not path.exists():
             REPLICAS.get(replica)(path, full=run.full, weights=False)
     overrides = [*run.overrides, f"output_dir={folder / 'run'}"]
-    overrides = [part.format(folder=folder) for part in overrides]
+    overrides = [part.replace("{folder}", str(folder)) for part in overrides]
     plan = plan_bytes(run, overrides, configs)
     have, source = available_memory("cpu")
     row: dict[str, Any] = {

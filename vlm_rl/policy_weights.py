@@ -78,8 +78,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         weight = module.base_layer.weight
         delta = sum(module.get_delta_weight(adapter).float() for adapter in module.active_adapters)
-        for key in [k for k in state if k.startswith(f"{name}.")]:
-            del state[key]
+        for key in module.state_dict():  # base_layer.*, lora_A.*, lora_B.*
+            del state[f"{name}.{key}"]
         state[f"{name}.weight"] = (weight.detach().float() + delta).to(weight.dtype)
         if module.base_layer.bias is not None:
             state[f"{name}.bias"] = module.base_layer.bias.detach()
