@@ -23,7 +23,6 @@ steps inside the window and at split steps, ODE elsewhere, and only SDE steps ar
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
@@ -140,10 +139,8 @@ class BranchGRPOTrainer(DiffusionTrainer):
     # -- one step -------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, Any]:
-        started = time.perf_counter()
         samples, cond, uncond, metrics = self.collect_samples(step)
         metrics.update(self.optimise(samples, cond, uncond, step))
-        metrics["step_seconds"] = time.perf_counter() - started  # rollout, reward and update
         return metrics
 
     def collect_samples(

@@ -173,7 +173,7 @@ def diffusion_memory_plan(
     text_encoders = [module for module in frozen if module is not pipe.vae]
     cached = 1 + (len(located) if located is not None else r.prompts_per_step + eval_rows)
 
-    def cache_prompts() -> None:  # the encoders on the device while they encode (`cache_prompts`)
+    def cache_prompts() -> None:  # the encoders alone on the device while they encode (`cache_prompts`)
         pipe._encode_prompts([PROMPT] * min(cached, CACHE_BATCH))
 
     gradients = sum(p.numel() * p.element_size() for p in trained)
@@ -188,9 +188,10 @@ def diffusion_memory_plan(
     if config.model.cache_prompt_embeddings:
         with torch.no_grad():
             caching = measure_phase(cache_prompts, denoiser, optimizer, config.optimizer)
-        # before the optimizer exists; the encoders' weights are the phase's own
+        # before the denoiser is on the device and the optimizer exists; the encoders' weights are the
+        # phase's own
         phases["prompt caching (the text encoders)"] = replace(
-            caching, optimizer=0, transient=caching.transient + weight_bytes(text_encoders)
+            caching, weights=0, optimizer=0, transient=caching.transient + weight_bytes(text_encoders)
         )
     other = {}
     if not config.model.cache_prompt_embeddings:

@@ -356,12 +356,17 @@ class FlowPipeline:
         (Path(directory) / LORA_FILE).write_text(json.dumps(record, indent=1))
 
     def to(self, device: torch.device | str) -> FlowPipeline:
-        if self.diffusers_pipeline is not None:
-            self.diffusers_pipeline.to(device)
-        for module in (self.denoiser, self.text_encoder, self.vae):
+        """Move the networks the pipeline runs to `device`: once the prompts are cached
+        (`cache_prompts`), the denoiser and the VAE; the text encoders stay where caching left them."""
+        encoders = self.text_encoders() if self.prompt_cache is None else []
+        for module in (self.denoiser, self.vae, *encoders):
             if module is not None:
                 module.to(device)
         return self
+
+    @property
+    def encoder_device(self) -> torch.device:
+        return next(self.text_encoders()[0].parameters()).device
 
     @property
     def device(self) -> torch.device:
@@ -509,15 +514,15 @@ class FlowPipeline:
                     break
         return gaps
 
+    def text_encoders(self) -> list[torch.nn.Module]:
+        if self.diffusers_pipeline is None:
+            return [self.text_encoder]
+        components = self.diffusers_pipeline.components.items()
+        return [part for name, part in components if name.startswith("text_encoder") and part is not None]
+
     def frozen_modules(self) -> list[torch.nn.Module]:
         """The networks that are never trained: the text encoders and the VAE."""
-        if self.diffusers_pipeline is None:
-            parts = [self.text_encoder, self.vae]
-        else:
-            components = self.diffusers_pipeline.components
-            parts = [module for name, module in components.items() if name.startswith("text_encoder")]
-            parts.append(self.vae)
-        return [module for module in parts if module is not None]
+        return [*self.text_encoders(), *([] if self.vae is None else [self.vae])]
 
     def set_base_dtype(self, dtype: torch.dtype) -> None:
         """Hold the denoiser's weights in `dtype` (bfloat16: the frozen base of a LoRA run, at half the
@@ -548,22 +553,28 @@ class FlowPipeline:
 
     @torch.no_grad()
     def cache_prompts(
-        self, prompts: Sequence[str], batch_size: int = CACHE_BATCH, release_encoders: bool = False
+        self,
+        prompts: Sequence[str],
+        device: torch.device | str | None = None,
+        batch_size: int = CACHE_BATCH,
+        release_encoders: bool = False,
     ) -> int:
-        """Encode `prompts` once (in batches on the pipeline's device) and keep their embeddings in CPU
-        memory, from which `encode_prompts` reads them from then on; the text encoders move to the CPU,
-        so the device holds the denoiser and the VAE only, or with `release_encoders` their weights are
-        dropped altogether (a run whose result is an adapter never needs them again). Returns the
-        cache's bytes."""
+        """Encode `prompts` once (in batches, the text encoders moved to `device` if given) and keep
+        their embeddings in CPU memory, from which `encode_prompts` reads them from then on; the text
+        encoders then move to the CPU, or with `release_encoders` their weights are dropped altogether (a
+        run whose result is an adapter never needs them again). Called before `to(device)`, the device
+        never holds the encoders and the denoiser at once. Returns the cache's bytes."""
+        if device is not None:
+            for module in self.text_encoders():
+                module.to(device)
         unique = list(dict.fromkeys(prompts))
         cache = {}
         for start in range(0, len(unique), batch_size):
             chunk = unique[start : start + batch_size]
             cond = self._encode_prompts(chunk).to(torch.device("cpu"))
             cache |= {prompt: cond[i : i + 1] for i, prompt in enumerate(chunk)}  # together, the chunk
-        for module in self.frozen_modules():
-            if module is not self.vae:
-                module.to("meta" if release_encoders else "cpu")
+        for module in self.text_encoders():
+            module.to("meta" if release_encoders else "cpu")
         self.prompt_cache = cache
         return sum(c.nbytes for c in cache.values())
 
@@ -576,20 +587,20 @@ class FlowPipeline:
             max_length=self.tokenizer.model_max_length,
             truncation=True,
             return_tensors="pt",
-        ).to(self.device)
+        ).to(self.encoder_device)
         out = self.text_encoder(input_ids=tokens.input_ids)
         return Conditioning(out.last_hidden_state, out.text_embeds)
 
     def _encode_with_diffusers(self, prompts: list[str]) -> Conditioning:
         pipeline = self.diffusers_pipeline
         if self.is_unet:
-            embeds, _ = pipeline.encode_prompt(prompts, self.device, 1, False)
+            embeds, _ = pipeline.encode_prompt(prompts, self.encoder_device, 1, False)
             return Conditioning(embeds, None)
         if self.is_flux:  # T5 sequence embeddings and the pooled CLIP vector; text ids are all zero
             embeds, pooled, _ = pipeline.encode_prompt(
                 prompt=prompts,
                 prompt_2=None,
-                device=self.device,
+                device=self.encoder_device,
                 max_sequence_length=self.max_sequence_length,
             )
             return Conditioning(embeds, pooled)
@@ -597,7 +608,7 @@ class FlowPipeline:
             prompt=prompts,
             prompt_2=None,
             prompt_3=None,
-            device=self.device,
+            device=self.encoder_device,
             do_classifier_free_guidance=False,
         )
         return Conditioning(embeds, pooled)

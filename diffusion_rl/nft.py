@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -171,7 +170,6 @@ class DiffusionNFTTrainer(DiffusionTrainer):
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.config
-        started = time.perf_counter()
         chosen, slots, prompts = self.pick_prompts()
         cond = self.pipe.encode_prompts(prompts)
         uncond = self.uncond_one[[0] * len(prompts)]
@@ -225,7 +223,6 @@ class DiffusionNFTTrainer(DiffusionTrainer):
             trained_samples=len(trained),
             old_policy_decay=decay,
             skipped_steps=self.skipped_steps,
-            step_seconds=time.perf_counter() - started,  # wall-clock of the rollout, reward and update
         )
         if self.is_main and step % 10 == 0:
             save_grid(images[:32], self.samples_dir / f"step_{step:06d}.png")

@@ -118,7 +118,6 @@ class DiffusionTrainer(Trainer):
             )
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"config error: model.path = {cfg.model.path!r}: {err}") from None
-        self.pipe.to(self.accelerator.device)
         self.pipe.set_base_dtype(base_dtype)
         if cfg.rollout.image_size is not None:
             try:
@@ -132,11 +131,13 @@ class DiffusionTrainer(Trainer):
             print(f"warning: {truncated}", file=sys.stderr)
         self.check_size()
         self.pipe.call_rows = cfg.rollout.call_rows
-        if cfg.model.cache_prompt_embeddings:
+        if cfg.model.cache_prompt_embeddings:  # before the denoiser goes to the device
             self.pipe.cache_prompts(  # a LoRA result is the adapter: the encoders are not needed again
                 [*self.prompts, *evaluation_prompts(cfg.eval.prompts, self.heldout_prompts), ""],
+                self.accelerator.device,
                 release_encoders=cfg.model.lora_rank > 0,
             )
+        self.pipe.to(self.accelerator.device)
         self.reference = None
         if cfg.train.kl_coef > 0:
             self.reference = copy.deepcopy(self.pipe.denoiser).requires_grad_(False)

@@ -13,8 +13,9 @@ model. For each run the bench:
    separate process and reads its peak resident memory from the kernel (VmHWM);
 3. compares the plan with that peak less the resident memory of the same command's `--dry-run`
    process (the interpreter and the libraries, which the plan leaves out): target within 20%; and
-   gives the seconds of the training step (`step_seconds` in metrics.jsonl) and of the rest of the
-   launch (loading, prompt caching, the evaluation, the final save).
+   gives the seconds of the launch's phases: its setup (the models loaded, prompts cached:
+   `setup_seconds` in launches.jsonl), the training step (`step_seconds` in metrics.jsonl) and the
+   rest (the interpreter's start, the held-out evaluations, the final save).
 
 The rows go to `output` as JSON.
 """
@@ -77,13 +78,14 @@ def bench_realsize(
         print("  " + ", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     print_table(
         "mmrl bench realsize (CPU, random full-size weights)",
-        ["run", "plan GiB", "measured GiB", "plan / measured", "step s", "rest s", "verdict"],
+        ["run", "plan GiB", "measured GiB", "plan / measured", "setup s", "step s", "rest s", "verdict"],
         [
             [
                 r["run"],
                 f"{r['plan_gib']:.2f}",
                 "-" if r["measured_gib"] is None else f"{r['measured_gib']:.2f}",
                 "-" if r["plan_ratio"] is None else f"{r['plan_ratio']:.3f}",
+                "-" if r["setup_seconds"] is None else f"{r['setup_seconds']:.0f}",
                 "-" if r["step_seconds"] is None else f"{r['step_seconds']:.0f}",
                 "-" if r["rest_seconds"] is None else f"{r['rest_seconds']:.0f}",
                 r["verdict"],
@@ -120,6 +122,7 @@ def measure(name: str, run: RealSizeRun, folder: Path) -> dict[str, Any]:
         "plan_gib": plan / GIB,
         "measured_gib": None,
         "plan_ratio": None,
+        "setup_seconds": None,
         "step_seconds": None,
         "rest_seconds": None,
     }
@@ -141,8 +144,8 @@ def measure(name: str, run: RealSizeRun, folder: Path) -> dict[str, Any]:
     if code != 0:
         row["verdict"] = f"the run failed (exit {code}): see {folder / 'train.log'}"
         return row
-    first = json.loads((folder / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    step = first.get("step_seconds")  # the trainers that time their step
+    step = json.loads((folder / "run" / "metrics.jsonl").read_text().splitlines()[0])["step_seconds"]
+    setup = json.loads((folder / "run" / "launches.jsonl").read_text().splitlines()[0])["setup_seconds"]
     measured = peak - baseline
     ratio = plan / measured
     row |= {
@@ -150,8 +153,9 @@ def measure(name: str, run: RealSizeRun, folder: Path) -> dict[str, Any]:
         "peak_rss_gib": peak / GIB,
         "baseline_rss_gib": baseline / GIB,
         "plan_ratio": ratio,
+        "setup_seconds": setup,
         "step_seconds": step,
-        "rest_seconds": seconds - (step or 0.0),
+        "rest_seconds": seconds - setup - step,
         "launch_seconds": seconds,
         "verdict": "PASS" if abs(ratio - 1) <= PLAN_TARGET else f"FAIL (target within {PLAN_TARGET:.0%})",
     }

@@ -326,7 +326,8 @@ class MemoryPlan:
         }
         plan.gradients = self.gradients // n
         whole = self.trained_module_parameters()
-        element = launch.compute_bytes or round(self.phases[self.peak_phase].weights / whole)
+        held = max(phase.weights for phase in self.phases.values())  # a phase with the module on the device
+        element = launch.compute_bytes or round(held / whole)
         if launch.reshard_after_forward:
             gathered = 2 * max(self.blocks[name] for name in launch.wrap_classes)
         else:

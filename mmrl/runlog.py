@@ -187,13 +187,18 @@ def truncate_after(path: Path, step: int) -> None:
     replace_text(path, "".join(json.dumps(_plain_number(row), allow_nan=False) + "\n" for row in kept))
 
 
-def record_launch(run_dir: Path, from_step: int, device: torch.device, processes: int) -> None:
+def record_launch(
+    run_dir: Path, from_step: int, device: torch.device, processes: int, setup_seconds: float
+) -> None:
     """Append this launch (a start or a resume) to ``launches.jsonl``: what the run was made with, which
-    the numbers it logs depend on. Step seconds depend on the machine and the thread count, and on a
-    CPU the thread count changes float rounding, so two runs compare exactly only when these agree."""
+    the numbers it logs depend on, and the seconds it took to get to its first step (loading the
+    models, caching, reading the checkpoint). Step seconds depend on the machine and the thread count,
+    and on a CPU the thread count changes float rounding, so two runs compare exactly only when these
+    agree."""
     record = {
         "from_step": from_step,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "setup_seconds": round(setup_seconds, 3),
         "device": str(device),
         "processes": processes,
         "cpu_threads": torch.get_num_threads(),

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -84,6 +85,7 @@ class Trainer(RunDirectory):
         self.resume_from: Checkpoint | None = None  # found by `prepare_run_dir`, loaded by `restore`
         self.corrupt_checkpoints: list[Path] = []  # found by `prepare_run_dir`, set aside by `start_run_dir`
         self.run_started = False  # whether `start_run_dir` has written the run directory
+        self.setup_seconds = 0.0  # from `train` to the first step (launches.jsonl)
         self.doing = "before the first step"  # what the run is doing, for the message if it stops
         self.step_number = 0  # the step the run is in (1-based; `steps` once training is done)
         self.stop_recorded = False  # whether stopped.json records why this launch stopped
@@ -214,6 +216,7 @@ class Trainer(RunDirectory):
         checked is checked before the first write (`prepare_run_dir`, `setup`, `restore`); once the
         run directory is written, whatever ends the run early is recorded in stopped.json
         (`stopped_by`)."""
+        started = time.perf_counter()
         written_for, processes = self.config.processes, self.accelerator.num_processes
         if written_for is not None and written_for != processes and self.is_main:
             print(
@@ -227,6 +230,7 @@ class Trainer(RunDirectory):
         self.setup()
         start = self.restore()
         self.start_run_dir()
+        self.setup_seconds = time.perf_counter() - started  # checks, models, caches, the checkpoint read
         try:
             return self.train_steps(start)
         except BaseException as err:
@@ -242,7 +246,13 @@ class Trainer(RunDirectory):
         self.step_number = start
         log = MetricsLog(self.run_dir, self.config.tensorboard, resume_step=start) if self.is_main else None
         if self.is_main:
-            record_launch(self.run_dir, start, self.accelerator.device, self.accelerator.num_processes)
+            record_launch(
+                self.run_dir,
+                start,
+                self.accelerator.device,
+                self.accelerator.num_processes,
+                self.setup_seconds,
+            )
         if start == 0:
             self.doing = "in the held-out evaluation before training"
             before = self.evaluate()
@@ -258,6 +268,7 @@ class Trainer(RunDirectory):
         )
         for step in bar:
             self.step_number, self.doing = step + 1, f"in step {step + 1} of {self.config.steps}"
+            started = time.perf_counter()
             try:
                 metrics = self.train_step(step)
             except StepSkipped as skipped:
@@ -266,6 +277,7 @@ class Trainer(RunDirectory):
                 raise TrainingStopped(self.stop_without_saving(step + 1, str(failed))) from None
             except TrainingStopped as stop:
                 raise TrainingStopped(self.stop(step, str(stop))) from None
+            metrics["step_seconds"] = time.perf_counter() - started  # the rollouts, rewards and updates
             if not self.weights_finite():
                 raise TrainingStopped(
                     self.stop_without_saving(step + 1, "the model's weights are not finite after the update")

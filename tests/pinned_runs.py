@@ -161,6 +161,12 @@ def _numbers(row: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl rows without timings (`_numbers`): equal for two runs that computed the
+    same numbers, as an exact resume must."""
+    return [_numbers(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def fingerprint(recipe: str, overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """Run `recipe` for STEPS steps on the pinned kernels into `run_dir` and return what it computed."""
     with fixed_isa.pinned_kernels():
@@ -170,7 +176,7 @@ def fingerprint(recipe: str, overrides: list[str], run_dir: Path) -> dict[str, A
             + [f"output_dir={run_dir}"],
         )
         TRAINERS.get(config.trainer)(config).train()
-    metrics = [_numbers(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = metric_rows(run_dir)
     evaluation = json.loads((run_dir / "eval.json").read_text())
     return {
         "metrics": metrics,

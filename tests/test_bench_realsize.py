@@ -29,7 +29,8 @@ def test_a_run_that_does_not_fit_is_not_run_and_names_its_launch(tmp_path, monke
 @pytest.mark.slow
 def test_a_run_that_fits_is_measured_against_its_plan(tmp_path):
     row = measure("sd35m", tiny(sd35m()), tmp_path / "sd35m")
-    assert row["measured_gib"] > 0 and row["baseline_rss_gib"] > 0 and row["step_seconds"] > 0
+    assert row["measured_gib"] > 0 and row["baseline_rss_gib"] > 0
+    assert row["setup_seconds"] > 0 and row["step_seconds"] > 0 and row["rest_seconds"] > 0
     assert row["plan_ratio"] == pytest.approx(row["plan_gib"] / row["measured_gib"])
     assert row["verdict"].startswith(("PASS", "FAIL"))
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from pinned_runs import metric_rows
 
 from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.branch_rollout import (
@@ -532,8 +533,7 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
     def run(run_dir, steps, *extra):
         trainer = trainer_for(model_dir, run_dir, *common, f"steps={steps}", *extra)
         trainer.train()
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows], final_weights(run_dir)
+        return metric_rows(run_dir), final_weights(run_dir)
 
     straight_rows, straight = run(tmp_path / "straight", 4)
     run(tmp_path / "stopped", 2)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from pinned_runs import metric_rows
 
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.loading import load
@@ -259,8 +260,7 @@ def test_resumed_run_ends_identical_to_an_uninterrupted_one(model_dir, tmp_path,
 
     def run(run_dir, steps, *extra):
         trainer_for(model_dir, run_dir, *common, f"steps={steps}", *extra, setup=False).train()
-        rows = [{k: v for k, v in row.items() if k != "step_seconds"} for row in rows_of(run_dir)]
-        return rows, load(run_dir / "final").denoiser.state_dict()
+        return metric_rows(run_dir), load(run_dir / "final").denoiser.state_dict()
 
     straight_rows, straight = run(tmp_path / "straight", 4)
     run(tmp_path / "stopped", 2)
@@ -402,6 +402,30 @@ def test_cached_prompt_embeddings_train_alike_and_the_encoders_stay_idle(model_d
         cached.pipe.encode_prompts(["a purple hexagon"])
 
 
+def test_the_prompts_are_cached_before_the_denoiser_goes_to_the_device(model_dir, tmp_path, monkeypatch):
+    calls = []
+    cache, move = FlowPipeline.cache_prompts, FlowPipeline.to
+
+    def cache_prompts(pipe, *args, **kwargs):
+        calls.append(("cache", next(pipe.denoiser.parameters()).device.type))
+        return cache(pipe, *args, **kwargs)
+
+    def to(pipe, device):
+        calls.append(("to", str(device)))
+        return move(pipe, device)
+
+    monkeypatch.setattr(FlowPipeline, "cache_prompts", cache_prompts)
+    monkeypatch.setattr(FlowPipeline, "to", to)
+    trainer = trainer_for(
+        model_dir, tmp_path, "model.cache_prompt_embeddings=true", "model.lora_rank=4", "train.kl_coef=0"
+    )
+    assert calls == [("cache", "cpu"), ("to", "cpu")]
+    # the released encoders stay released when the pipeline moves again
+    assert next(trainer.pipe.text_encoder.parameters()).device.type == "meta"
+    trainer.pipe.to("cpu")
+    assert next(trainer.pipe.text_encoder.parameters()).device.type == "meta"
+
+
 def test_the_plan_moves_the_text_encoders_to_the_prompt_cache(model_dir, tmp_path):
     def plan(*overrides):
         config = load_config(
@@ -412,10 +436,11 @@ def test_the_plan_moves_the_text_encoders_to_the_prompt_cache(model_dir, tmp_pat
 
     plain, cached = plan(), plan("model.cache_prompt_embeddings=true")
     assert plain.other_weights["text encoders"] > 0 and "text encoders" not in cached.other_weights
-    # the encoders are held while they fill the cache, before the optimizer exists, and never again
+    # the encoders are held while they fill the cache, before the denoiser and the optimizer, and never again
     encoders = plain.other_weights["text encoders"]
     caching = "prompt caching (the text encoders)"
-    assert cached.phases[caching].transient > encoders and cached.phases[caching].optimizer == 0
+    assert cached.phases[caching].transient > encoders
+    assert cached.phases[caching].weights == cached.phases[caching].optimizer == 0
     assert cached.peak_bytes == max(plain.peak_bytes - encoders, cached.peak_bytes_of([caching]))
     prompts = len(train_prompts()) + 4 + 1  # training, held-out and the empty prompt
     assert f"({prompts:,d} prompts of " in cached.work["prompt embeddings cached in CPU memory"]

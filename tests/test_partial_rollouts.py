@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from pinned_runs import metric_rows
 
 from mmrl.checkpoint import load_checkpoint, save_checkpoint
 from mmrl.cli import load_plugins, main
@@ -355,9 +356,7 @@ def test_a_resumed_partial_run_repeats_the_uninterrupted_one(tmp_path):
 
     def run(out, steps, *extra):
         assert main(["train", "vlm/tool_grpo", f"output_dir={out}", f"steps={steps}", *args, *extra]) == 0
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        weights = load(out / "model").model.state_dict()
-        return [{k: v for k, v in r.items() if k != "step_seconds"} for r in rows], weights
+        return metric_rows(out), load(out / "model").model.state_dict()
 
     straight_rows, straight = run(tmp_path / "straight", 3)
     assert {"partial_staleness_mean", "partial_old_token_fraction", "partial_dropped"} <= set(

@@ -331,6 +331,9 @@ def test_every_launch_records_what_the_run_was_made_with(finished_run, tmp_path)
     (first,) = read_launches(run_dir)
     assert first["from_step"] == 0 and first["processes"] == 1 and first["device"] == "cpu"
     assert first["cpu_threads"] == torch.get_num_threads() and first["torch"] == torch.__version__
+    assert first["setup_seconds"] > 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["step_seconds"] > 0 for row in rows)  # timed by the shared loop, for every trainer
     assert resume(run_dir) == 0
     assert [launch["from_step"] for launch in read_launches(run_dir)] == [0, 3]
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from pinned_runs import metric_rows
 
 import sim
 from mmrl.config import ConfigError, load_config
@@ -438,7 +439,7 @@ def test_habc_resume_repeats_the_next_iteration_exactly(tmp_path, tiny_policy_di
     run(stopped, tiny_policy_dir, "steps=1", f"train.lr_schedule={schedule}")
     with pytest.warns(UserWarning, match="config changes"):
         run(stopped, tiny_policy_dir, "resume=true", f"train.lr_schedule={schedule}")
-    assert metrics(stopped)[1] == rows[1]
+    assert metric_rows(stopped)[1] == metric_rows(straight)[1]
     a, b = VLAPolicy.from_pretrained(straight / "policy"), VLAPolicy.from_pretrained(stopped / "policy")
     assert all(
         torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)

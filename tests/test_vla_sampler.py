@@ -2,11 +2,10 @@
 Beta-Thompson concentrating on the variants solved about half the time, the sampler's state across a
 resume, and the config errors."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
+from pinned_runs import metric_rows
 
 from mmrl.config import ConfigError, load_config
 from mmrl.samplers import BetaThompsonSampler, DynamicFilterSampler, Sampler, UniformSampler
@@ -178,8 +177,7 @@ def test_the_sampler_state_survives_a_resume(tmp_path, branch_every):
         cfg = load_config("vla/habc", [*paths, *TINY, f"grpo.branch_every={branch_every}", *overrides])
         trainer = VLAOnlineTrainer(cfg)
         trainer.train()
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return trainer.group_seeds.sampler.state_dict(), rows
+        return trainer.group_seeds.sampler.state_dict(), metric_rows(tmp_path / name)
 
     straight, rows = run("straight", "steps=3")
     run("stopped", "steps=1")
