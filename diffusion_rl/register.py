@@ -10,6 +10,7 @@ provide(
     "diffusion_rl.nft",
     "diffusion_rl.pretrain",
     "diffusion_rl.rewards",
+    "diffusion_rl.ocr_reward",
     "diffusion_rl.reward_server",
     "diffusion_rl.alignment",
     "diffusion_rl.shapes_strict",
