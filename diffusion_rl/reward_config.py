@@ -8,6 +8,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal
 
 from mmrl.config import ConfigError, option
@@ -18,6 +19,7 @@ TERM_KEYS = ("name", "weight", "options", "label")
 # held-out metrics a term label would overwrite (heldout_<label>)
 RESERVED_LABELS = ("alignment", "gold", "reward")
 REWARD_KEYS = ("name", "options")
+SCHEDULE_KEYS = ("steps", "values", "interpolate")
 
 
 @dataclass
@@ -35,7 +37,9 @@ class RewardConfig:
         "instead of name: rewards trained together, their weighted sum the trained reward, e.g. "
         "[{name: geneval_mini, weight: 1.0}, {name: jpeg_incompressibility, weight: 0.1, options: {}}]; "
         "each term's mean is logged as reward_<label> (label: the name unless given, so the same reward "
-        "with other options can be a second term; weight 0: logged, not trained)",
+        "with other options can be a second term; weight 0: logged, not trained); a weight may change with "
+        "the step: {steps: [0, 100], values: [0.0, 1.0], interpolate: linear} (or step: each value held "
+        "until the next listed step), logged as reward_weight_<label>",
     )
     normalize: Literal["none", "group"] = option(
         "none", "none: raw rewards; group: each term z-scored within each prompt's group before weighting"
@@ -95,12 +99,35 @@ def check_reward_terms(terms: Any) -> list[dict[str, Any]]:
                 "label": label,
             }
         )
-    if all(term["weight"] == 0 for term in checked):
+    if all(weight_values(term["weight"]) == [0.0] for term in checked):
         raise ConfigError(
             f"config error: reward.terms = {terms!r}: every weight is 0, so nothing would be trained; "
             "give at least one term a non-zero weight"
         )
     return checked
+
+
+def weight_values(weight: float | dict[str, Any]) -> list[float]:
+    """The distinct values a checked weight takes."""
+    return sorted(set(weight["values"])) if isinstance(weight, dict) else [weight]
+
+
+def weight_at(weight: float | dict[str, Any], step: int) -> float:
+    """A checked term weight at training step `step` (the step metrics.jsonl logs, 1 for the first): a
+    number is constant; a schedule gives its first value up to its first step, its last value from its
+    last step on, and between two listed steps the earlier value (interpolate: step) or the straight
+    line between the two (interpolate: linear)."""
+    if not isinstance(weight, dict):
+        return weight
+    points = list(zip(weight["steps"], weight["values"], strict=True))
+    if step <= points[0][0]:
+        return points[0][1]
+    for (start, low), (end, high) in pairwise(points):
+        if step < end:
+            if weight["interpolate"] == "step":
+                return low
+            return low + (high - low) * (step - start) / (end - start)
+    return points[-1][1]
 
 
 def reward_mapping(value: Any, key: str, allowed: Sequence[str], give: str, valid: str) -> dict[str, Any]:
@@ -145,7 +172,41 @@ def check_term_label(label: Any, key: str) -> str:
     return label
 
 
-def check_weight(weight: Any, key: str) -> float:
+def check_weight(weight: Any, key: str) -> float | dict[str, Any]:
+    """A term's weight: a finite number, or a schedule (`weight_at`) checked by `check_schedule`."""
+    if isinstance(weight, dict):
+        return check_schedule(weight, key)
+    return check_number(weight, key)
+
+
+def check_schedule(schedule: dict[str, Any], key: str) -> dict[str, Any]:
+    """{steps, values, interpolate} with as many values as steps, the steps increasing integers >= 0,
+    interpolate step (the default) or linear; a ConfigError naming the bad key."""
+    give = "{steps: [...], values: [...], interpolate: step}"
+    schedule = reward_mapping(schedule, key, SCHEDULE_KEYS, give, "valid keys of a schedule")
+    steps, values = schedule.get("steps"), schedule.get("values")
+    example = "e.g. {steps: [0, 100], values: [0.0, 1.0], interpolate: linear}"
+    if not isinstance(steps, list) or not steps or not isinstance(values, list) or len(values) != len(steps):
+        raise ConfigError(
+            f"config error: {key} = {schedule!r}: a schedule needs steps and values, two lists of one "
+            f"length; {example}"
+        )
+    for i, step in enumerate(steps):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"config error: {key}.steps[{i}] = {step!r} is not a step (an integer >= 0)")
+    if any(a >= b for a, b in pairwise(steps)):
+        raise ConfigError(f"config error: {key}.steps = {steps!r}: the steps must increase; {example}")
+    interpolate = schedule.get("interpolate", "step")
+    if interpolate not in ("step", "linear"):
+        raise ConfigError(
+            f"config error: {key}.interpolate = {interpolate!r}: step (each value held until the next "
+            "listed step) or linear (a straight line between them)"
+        )
+    checked = [check_number(value, f"{key}.values[{i}]") for i, value in enumerate(values)]
+    return {"steps": list(steps), "values": checked, "interpolate": interpolate}
+
+
+def check_number(weight: Any, key: str) -> float:
     number = weight
     if isinstance(weight, str):  # YAML 1.1 reads "1e-1" as a string
         try:

@@ -43,7 +43,7 @@ def scored(name: str, fn: RewardFn, images: torch.Tensor, prompts: list[str]) ->
 class RewardTerm(NamedTuple):
     name: str  # the registered reward
     label: str  # its metrics: reward_<label>, heldout_<label>
-    weight: float
+    weight: float | dict[str, Any]  # a number or a schedule (`reward_config.weight_at`)
     fn: RewardFn
 
 

@@ -39,6 +39,7 @@ from diffusion_rl.inputs import (
     trainable_denoiser,
 )
 from diffusion_rl.loading import load
+from diffusion_rl.reward_config import weight_at
 from diffusion_rl.reward_server import check_reward_server
 from diffusion_rl.reward_terms import (
     RewardFailed,
@@ -220,7 +221,9 @@ class DiffusionTrainer(Trainer):
         raw = {term.label: self.call_reward(term.name, term.fn, images, leaf_prompts) for term in terms}
         self.last_reward_metrics = {f"reward_{name}": values.mean().item() for name, values in raw.items()}
         sizes = [len(tree.leaves()) for tree in trees]
-        weights = {term.label: term.weight for term in terms}
+        weights = {term.label: weight_at(term.weight, self.step_number) for term in terms}
+        scheduled = [term.label for term in terms if isinstance(term.weight, dict)]
+        self.last_reward_metrics |= {f"reward_weight_{label}": weights[label] for label in scheduled}
         return combine_rewards(raw, weights, sizes, reward.normalize), images
 
     @staticmethod
@@ -233,7 +236,8 @@ class DiffusionTrainer(Trainer):
             raise TrainingStopped(str(err)) from err
 
     def reward_metrics(self) -> dict[str, float]:
-        """Each trained term's raw mean over the leaves of the last `score` call (reward_<name>);
+        """Each trained term's raw mean over the leaves of the last `score` call (reward_<name>) and each
+        scheduled term's weight in it (reward_weight_<label>);
         empty for one reward without `reward.normalize`, whose values are the trained reward itself."""
         return dict(self.last_reward_metrics)
 
@@ -370,7 +374,8 @@ class DiffusionTrainer(Trainer):
             )
         keys = [f"heldout_{term.label}" for term in self.reward_terms]
         if self.config.reward.terms is not None and all(key in metrics for key in keys):
-            weights = [term.weight for term in self.reward_terms]
+            # the weights of the last step, so that every evaluation sums one objective
+            weights = [weight_at(term.weight, self.config.steps) for term in self.reward_terms]
             metrics["heldout_reward"] = sum(w * metrics[key] for w, key in zip(weights, keys, strict=True))
             if all(key in per_prompt for key in keys):
                 columns = zip(*(per_prompt[key] for key in keys), strict=True)

@@ -13,6 +13,7 @@ from diffusion_rl.branch_grpo import BranchGRPOTrainer
 from diffusion_rl.branch_rollout import rollout_trees
 from diffusion_rl.config import BranchGRPOConfig
 from diffusion_rl.models import FlowPipeline
+from diffusion_rl.reward_config import weight_at
 from diffusion_rl.reward_terms import build_reward_terms, combine_rewards, group_zscore, reward_hacking_record
 from diffusion_rl.shapes import (
     Scene,
@@ -196,6 +197,37 @@ def test_each_terms_mean_is_logged_every_step_and_the_total_is_trained(model_dir
         assert row["reward"] == pytest.approx(incompressible + 0.5 * compressible, rel=1e-4)
 
 
+def test_a_weight_schedule_gives_each_step_its_weight():
+    held = {"steps": [0, 10, 20], "values": [0.0, 1.0, 3.0], "interpolate": "step"}
+    assert [weight_at(held, step) for step in (0, 5, 10, 15, 20, 99)] == [0.0, 0.0, 1.0, 1.0, 3.0, 3.0]
+    line = {"steps": [10, 20], "values": [1.0, 3.0], "interpolate": "linear"}
+    assert [weight_at(line, step) for step in (1, 10, 15, 19, 20, 30)] == [1.0, 1.0, 2.0, 2.8, 3.0, 3.0]
+    assert weight_at(0.5, 7) == 0.5
+
+
+def test_a_scheduled_run_trains_each_step_on_its_weights_and_logs_them(model_dir, tmp_path, monkeypatch):
+    """Term a is trained alone at step 1 and term b alone from step 2 on (weights swapped halfway):
+    the trained reward follows the schedule, and the weights are logged with the terms."""
+    monkeypatch.setattr("diffusion_rl.trainer.evaluate_alignment", lambda *a, **k: {"heldout_alignment": 0.0})
+    schedule = (
+        "reward.terms=[{name: jpeg_incompressibility, weight: {steps: [1, 2], values: [1.0, 0.0]}}, "
+        "{name: jpeg_compressibility, label: smooth, weight: {steps: [1, 2], values: [0.0, 1.0]}}]"
+    )
+    trainer = trainer_for(
+        model_dir, tmp_path, "reward.name=null", schedule, "steps=3", "checkpoint_every=3", setup=False
+    )
+    trainer.train()
+    rows = rows_of(tmp_path)
+    assert [(row["reward_weight_jpeg_incompressibility"], row["reward_weight_smooth"]) for row in rows] == [
+        (1.0, 0.0),
+        (0.0, 1.0),
+        (0.0, 1.0),
+    ]
+    assert rows[0]["reward"] == pytest.approx(rows[0]["reward_jpeg_incompressibility"], rel=1e-4)
+    for row in rows[1:]:
+        assert row["reward"] == pytest.approx(row["reward_smooth"], rel=1e-4) and row["reward"] < 0
+
+
 # -- configuration --------------------------------------------------------------------------------
 
 
@@ -265,6 +297,34 @@ def test_terms_load_with_defaults_and_survive_a_saved_config(tmp_path):
             r"'reward.terms\[0\].wieght'.*did you mean 'reward.terms\[0\].weight'",
         ),
         (["reward.terms=[{weight: 2}]"], r"reward.terms\[0\].name is missing"),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {steps: [0, 5], values: [1.0]}}]"],
+            r"reward.terms\[0\].weight = .*two lists of one length",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {steps: [5, 5], values: [1, 2]}}]"],
+            r"reward.terms\[0\].weight.steps = \[5, 5\]: the steps must increase",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {steps: [0, 1.5], values: [1, 2]}}]"],
+            r"reward.terms\[0\].weight.steps\[1\] = 1.5 is not a step",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {steps: [0], values: [1], interpolate: cubic}}]"],
+            r"reward.terms\[0\].weight.interpolate = 'cubic'",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {steps: [0], values: [.nan]}}]"],
+            r"reward.terms\[0\].weight.values\[0\] = nan is not a finite",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {step: [0], values: [1]}}]"],
+            r"'reward.terms\[0\].weight.step'.*did you mean 'reward.terms\[0\].weight.steps'",
+        ),
+        (
+            ["reward.terms=[{name: geneval_mini, weight: {steps: [0, 9], values: [0, 0]}}]"],
+            r"every weight is 0",
+        ),
         (["reward.terms=[3]"], r"reward.terms\[0\] = 3 is not a mapping"),
         (["reward.terms={name: geneval_mini}"], r"reward.terms = .* is not a list"),
         (
