@@ -127,67 +127,8 @@ def http_reward(
     trainer can refuse a server that is down before a run starts (`check_reward_server`); building the
     reward contacts no server.
     """
-    parsed = urllib.parse.urlsplit(str(url))
-    try:
-        port, port_ok = parsed.port, True  # port None: the scheme's own
-    except ValueError:  # not a number in 0..65535
-        port, port_ok = None, False
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
-        raise ConfigError(
-            f"config error: {OPTIONS_KEY}.url = {url!r}: the reward server is reached over http or https "
-            f"only: write http(s)://HOST[:PORT]/PATH, e.g. {DEFAULT_REWARD_SERVER_URL} (the default)"
-        )
-    for key, value, allowed, limit in (
-        ("timeout", timeout, timeout > 0, "> 0 seconds"),
-        ("retries", retries, retries >= 1, ">= 1 (attempts in all)"),
-        ("backoff", backoff, backoff >= 0, ">= 0 seconds"),
-    ):
-        if not allowed:
-            raise ConfigError(f"config error: {OPTIONS_KEY}.{key} = {value!r}: must be {limit}")
-    connection_class = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
-    target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
-
-    def post_once(body: bytes) -> tuple[int, str, str | None, bytes]:
-        """One POST within `timeout` seconds in all: status, reason, Location header and answer."""
-        deadline = time.monotonic() + timeout
-        connection, sock = connection_class(parsed.hostname, port, timeout=timeout), None
-        try:
-            connection.connect()
-            sock = connection.sock
-            connection.sock = _DeadlineSocket(sock, deadline)
-            connection.request("POST", target, body=body, headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            return response.status, response.reason, response.getheader("Location"), response.read()
-        except TimeoutError:  # the socket's own, or `_DeadlineSocket`'s: one message for both
-            raise TimeoutError(f"timed out: no complete answer within timeout = {timeout:g} s") from None
-        finally:
-            connection.close()
-            if sock is not None:
-                sock.close()
-
-    def post(body: bytes) -> bytes:
-        last_error = ""
-        for attempt in range(retries):
-            if attempt:
-                time.sleep(backoff * 2 ** (attempt - 1))
-            try:
-                status, reason, location, answer = post_once(body)
-            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut short
-                last_error = f"{type(error).__name__}: {error}"
-                continue
-            if status < 300:
-                return answer
-            if status < 400:
-                raise RewardServerError(
-                    f"reward server {url} redirected (HTTP {status}) to {location!r}; redirects are not "
-                    "followed"
-                )
-            if status < 500:
-                raise RewardServerError(
-                    f"reward server {url} answered HTTP {status} {reason}: {_excerpt(answer)!r}"
-                )
-            last_error = f"HTTP {status} {reason}: {_excerpt(answer)!r}"
-        raise RewardServerError(f"reward server {url} failed {retries} times; last error: {last_error}")
+    check_server_options(url, timeout, retries, backoff, DEFAULT_REWARD_SERVER_URL)
+    post = JsonPoster(str(url), timeout, retries, backoff).post
 
     def reward(
         images: ImageBatch,
@@ -213,6 +154,88 @@ def http_reward(
 
     setattr(reward, SERVER_CHECK, check_server)
     return reward
+
+
+class JsonPoster:
+    """POSTs of JSON to `url` with a deadline on each and retries (the rules of `http_reward`'s
+    docstring), shared by the rewards that ask a server; `headers` are added to every request."""
+
+    def __init__(
+        self, url: str, timeout: float, retries: int, backoff: float, headers: dict[str, str] | None = None
+    ) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.host, self.port = parsed.hostname, parsed.port
+        self.target = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+        self.connection_class = (
+            http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+        )
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+
+    def post_once(self, body: bytes) -> tuple[int, str, str | None, bytes]:
+        """One POST within `timeout` seconds in all: status, reason, Location header and answer."""
+        deadline = time.monotonic() + self.timeout
+        connection, sock = self.connection_class(self.host, self.port, timeout=self.timeout), None
+        try:
+            connection.connect()
+            sock = connection.sock
+            connection.sock = _DeadlineSocket(sock, deadline)
+            connection.request("POST", self.target, body=body, headers=self.headers)
+            response = connection.getresponse()
+            return response.status, response.reason, response.getheader("Location"), response.read()
+        except TimeoutError:  # the socket's own, or `_DeadlineSocket`'s: one message for both
+            raise TimeoutError(f"timed out: no complete answer within timeout = {self.timeout:g} s") from None
+        finally:
+            connection.close()
+            if sock is not None:
+                sock.close()
+
+    def post(self, body: bytes) -> bytes:
+        """The answer of a 2xx; RewardServerError after `retries` failed attempts (connection errors,
+        timeouts, 5xx) or at once (4xx, a redirect)."""
+        url, last_error = self.url, ""
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                status, reason, location, answer = self.post_once(body)
+            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut short
+                last_error = f"{type(error).__name__}: {error}"
+                continue
+            if status < 300:
+                return answer
+            if status < 400:
+                raise RewardServerError(
+                    f"reward server {url} redirected (HTTP {status}) to {location!r}; redirects are not "
+                    "followed"
+                )
+            if status < 500:
+                raise RewardServerError(
+                    f"reward server {url} answered HTTP {status} {reason}: {_excerpt(answer)!r}"
+                )
+            last_error = f"HTTP {status} {reason}: {_excerpt(answer)!r}"
+        raise RewardServerError(f"reward server {url} failed {self.retries} times; last error: {last_error}")
+
+
+def check_server_options(url: str, timeout: float, retries: int, backoff: float, example: str) -> None:
+    """A ConfigError naming the option (reward.options.url, .timeout, ...) a server reward cannot use."""
+    parsed = urllib.parse.urlsplit(str(url))
+    try:
+        port_ok = parsed.port is None or parsed.port >= 0  # None: the scheme's own
+    except ValueError:  # not a number in 0..65535
+        port_ok = False
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
+        raise ConfigError(
+            f"config error: {OPTIONS_KEY}.url = {url!r}: the reward server is reached over http or https "
+            f"only: write http(s)://HOST[:PORT]/PATH, e.g. {example} (the default)"
+        )
+    for key, value, allowed, limit in (
+        ("timeout", timeout, timeout > 0, "> 0 seconds"),
+        ("retries", retries, retries >= 1, ">= 1 (attempts in all)"),
+        ("backoff", backoff, backoff >= 0, ">= 0 seconds"),
+    ):
+        if not allowed:
+            raise ConfigError(f"config error: {OPTIONS_KEY}.{key} = {value!r}: must be {limit}")
 
 
 def check_reward_server(fn: RewardFn, prompt: str, key: str) -> None:
