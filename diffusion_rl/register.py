@@ -12,6 +12,7 @@ provide(
     "diffusion_rl.rewards",
     "diffusion_rl.ocr_reward",
     "diffusion_rl.reward_server",
+    "diffusion_rl.judge_reward",
     "diffusion_rl.alignment",
     "diffusion_rl.shapes_strict",
     "diffusion_rl.replicas",
