@@ -45,6 +45,20 @@ def option(default: Any, help: str = "", **limits: Any) -> Any:
 
 
 @dataclasses.dataclass
+class WandbConfig:
+    """The Weights & Biases run of `tracking: [wandb]` (`mmrl.tracking`)."""
+
+    project: str = option("mmrl", "W&B project")
+    name: str | None = option(None, "W&B run name (null: the run directory's name)")
+    tags: list[str] = option([], "W&B tags")
+    mode: Literal["auto", "online", "offline", "disabled"] = option(
+        "auto",
+        "online; offline (kept under RUN_DIR/wandb for `wandb sync`); disabled; auto: W&B's own setting "
+        "(WANDB_MODE, or online once logged in)",
+    )
+
+
+@dataclasses.dataclass
 class BaseConfig:
     """Fields every trainer shares: where the run lives, how long it is, how it checkpoints."""
 
@@ -84,7 +98,12 @@ class BaseConfig:
         "quantised blockwise to 8 bits, a quarter of the memory; `pip install mmrl[adam8bit]`)",
         choices=OPTIMIZERS,
     )
-    tensorboard: bool = option(False, "also write TensorBoard event files")
+    tracking: list[str] = option(
+        [],
+        "where metrics, held-out numbers and samples also go beside metrics.jsonl: tensorboard (event "
+        "files in RUN_DIR/tensorboard), wandb (Weights & Biases, set by the wandb keys)",
+    )
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     progress: bool = option(True, "show progress bars")
 
 

@@ -32,7 +32,7 @@ MIME = {
 }
 # Directories of a run that hold model state or other tools' output, never samples to show (with
 # `final-before-step-N/`, an earlier result set aside when a run continues past it).
-SKIPPED_DIRS = {"checkpoints", "tensorboard", "final", "__pycache__"}
+SKIPPED_DIRS = {"checkpoints", "tensorboard", "wandb", "final", "__pycache__"}
 SKIPPED_PREFIXES = (".", "final-before-step-")
 MAX_IMAGES = 48  # sample images embedded (spread over the run when there are more)
 MAX_VIDEOS = 8  # GIFs and videos embedded

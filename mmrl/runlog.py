@@ -11,7 +11,7 @@ import math
 import os
 import platform
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +23,7 @@ import torch
 from mmrl import __version__
 from mmrl.checkpoint import replace_text
 from mmrl.config import ConfigError
+from mmrl.tracking import Tracker, is_media
 
 METRICS_FILE = "metrics.jsonl"
 LAUNCHES_FILE = "launches.jsonl"
@@ -80,35 +81,54 @@ def write_json(path: Path, value: Any, indent: int | None = 1) -> dict[str, str]
     return non_finite
 
 
-class MetricsLog:
-    """Append-only metrics: ``metrics.jsonl`` always, TensorBoard when asked and installed."""
+MEDIA_DIRS = ("samples", "videos")  # where trainers write the images and videos of their rollouts
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False, resume_step: int | None = None) -> None:
+
+class MetricsLog:
+    """Append-only metrics: ``metrics.jsonl`` always, and the `trackers` (`mmrl.tracking`)."""
+
+    def __init__(
+        self, run_dir: Path, trackers: Sequence[Tracker] = (), resume_step: int | None = None
+    ) -> None:
         self.path = run_dir / METRICS_FILE
         if resume_step is not None:
             truncate_after(self.path, resume_step)
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise RuntimeError(
-                    "tensorboard=true needs the tensorboard package: pip install 'mmrl[tensorboard]'"
-                ) from err
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.trackers = list(trackers)
+        self.media_dirs = [run_dir / name for name in MEDIA_DIRS]
+        self.samples_seen = set(self.sample_files())  # a resumed run's earlier samples were logged
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{str(k): _plain_number(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
-        if self.writer is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
-                    self.writer.add_scalar(key, value, step)
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, int | float)}
+        for tracker in self.trackers:
+            tracker.log(step, numbers)
+        self.log_samples(step)
+
+    def log_eval(self, when: str, step: int, metrics: dict[str, Any]) -> None:
+        """A held-out evaluation (`when`: before, after) to the trackers."""
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        for tracker in self.trackers:
+            tracker.log_eval(when, step, numbers)
+        self.log_samples(step)
+
+    def sample_files(self) -> list[Path]:
+        found = [path for folder in self.media_dirs if folder.is_dir() for path in folder.rglob("*")]
+        return sorted(path for path in found if path.is_file() and is_media(path))
+
+    def log_samples(self, step: int) -> None:
+        """The images and videos written to ``samples/`` and ``videos/`` since the last call, to the
+        trackers."""
+        new = [path for path in self.sample_files() if path not in self.samples_seen]
+        self.samples_seen.update(new)
+        if new:
+            for tracker in self.trackers:
+                tracker.log_media(step, new)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def read_jsonl(path: Path) -> list[Any]:

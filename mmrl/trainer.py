@@ -30,11 +30,12 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from mmrl.checkpoint import Checkpoint
-from mmrl.config import BaseConfig, ConfigError
+from mmrl.config import BaseConfig, ConfigError, to_dict
 from mmrl.memory_plan import MemoryPlan
 from mmrl.run_dir import RunDirectory
 from mmrl.run_stops import StepSkipped, TrainingStopped, UpdateFailed
 from mmrl.runlog import MetricsLog, record_launch, strict_json, write_json
+from mmrl.tracking import check_tracking, open_trackers
 from mmrl.watch import CollectiveWatch
 
 
@@ -69,6 +70,7 @@ class Trainer(RunDirectory):
                 "config error: optimizer = 'adamw_8bit' needs bitsandbytes, which is not installed: "
                 "`pip install 'mmrl[adam8bit]'` (or bitsandbytes), or set optimizer=adamw"
             )
+        check_tracking(config.tracking)
         # without CUDA, processes started by `accelerate launch --multi_gpu` / torchrun join over gloo
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         if accelerator is None and not torch.cuda.is_available() and fsdp_launch() and self.is_main:
@@ -244,8 +246,12 @@ class Trainer(RunDirectory):
         `start` with their checkpoints, the evaluation after; return the latter."""
         self.restore_rngs()
         self.step_number = start
-        log = MetricsLog(self.run_dir, self.config.tensorboard, resume_step=start) if self.is_main else None
+        log = None
         if self.is_main:
+            trackers = open_trackers(
+                self.config.tracking, self.run_dir, self.config.wandb, to_dict(self.config)
+            )
+            log = MetricsLog(self.run_dir, trackers, resume_step=start)
             record_launch(
                 self.run_dir,
                 start,
@@ -257,6 +263,8 @@ class Trainer(RunDirectory):
             self.doing = "in the held-out evaluation before training"
             before = self.evaluate()
             self.write_eval("before", before)
+            if log is not None:
+                log.log_eval("before", 0, before)
         steps = range(start, self.config.steps)
         bar = tqdm(
             steps,
@@ -297,6 +305,7 @@ class Trainer(RunDirectory):
         after = self.evaluate()
         self.write_eval("after", after)
         if log is not None:
+            log.log_eval("after", self.config.steps, after)
             log.close()
         self.doing = "after training, while saving its results"
         return after

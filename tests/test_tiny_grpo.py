@@ -48,7 +48,7 @@ def test_run_directory_layout(tmp_path):
 
 
 def test_tensorboard_events(tmp_path):
-    run(tmp_path, "steps=1", "tensorboard=true")
+    run(tmp_path, "steps=1", "tracking=[tensorboard]")
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
