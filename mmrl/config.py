@@ -258,6 +258,10 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+# keys that an earlier version had, with what takes their place
+REPLACED_KEYS = {"tensorboard": "tracking=[tensorboard] (beside wandb: tracking=[tensorboard, wandb])"}
+
+
 def _unknown_key_message(cls: type, root: type, prefix: str, key: str, value: Any) -> str:
     dotted = f"{prefix}{key}"
     here = [f.name for f in dataclasses.fields(cls)]
@@ -265,6 +269,8 @@ def _unknown_key_message(cls: type, root: type, prefix: str, key: str, value: An
     same_name = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
     hint = same_name or difflib.get_close_matches(dotted, everywhere, n=1, cutoff=0.6)
     did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+    if dotted in REPLACED_KEYS:
+        did_you_mean = f"; it is now {REPLACED_KEYS[dotted]}"
     section = f"under '{prefix[:-1]}'" if prefix else "at the top level"
     return (
         f"config error: unknown key '{dotted}' (= {value!r}){did_you_mean} "

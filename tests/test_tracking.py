@@ -127,6 +127,11 @@ def test_samples_written_to_the_run_go_to_wandb_once(tmp_path):
     assert images[0]["samples/step_000000/_type"] == "image-file"
 
 
+def test_the_old_tensorboard_key_names_its_replacement():
+    with pytest.raises(ConfigError, match=r"unknown key 'tensorboard'.*it is now tracking=\[tensorboard\]"):
+        load_config("core/tiny_grpo", ["tensorboard=true"])
+
+
 @pytest.mark.parametrize(
     ("tracking", "message"),
     [
