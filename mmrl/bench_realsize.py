@@ -38,6 +38,7 @@ from mmrl.config import ConfigError, check_output_dir, load_config
 from mmrl.memory_plan import GIB
 from mmrl.registry import BENCHES, REALSIZE_RUNS, REPLICAS, TRAINERS
 from mmrl.resources import available_memory
+from mmrl.runlog import read_launches, read_metrics
 
 PLAN_TARGET = 0.2  # |plan / measured - 1| at most this
 DEFAULT_OUTPUT = "runs/bench/realsize.json"
@@ -144,8 +145,8 @@ def measure(name: str, run: RealSizeRun, folder: Path) -> dict[str, Any]:
     if code != 0:
         row["verdict"] = f"the run failed (exit {code}): see {folder / 'train.log'}"
         return row
-    step = json.loads((folder / "run" / "metrics.jsonl").read_text().splitlines()[0])["step_seconds"]
-    setup = json.loads((folder / "run" / "launches.jsonl").read_text().splitlines()[0])["setup_seconds"]
+    step = read_metrics(folder / "run")[0]["step_seconds"]
+    setup = read_launches(folder / "run")[0]["setup_seconds"]
     measured = peak - baseline
     ratio = plan / measured
     row |= {
