@@ -161,6 +161,8 @@ def vlm_judge(
         images = as_image_list(images)
         if prompts is None or len(prompts) != len(images):
             raise ValueError(f"the vlm_judge reward needs one prompt per image ({len(images)} images)")
+        if not images:
+            return torch.zeros(0, dtype=torch.float32)
         with ThreadPoolExecutor(max_workers=min(max_in_flight, len(images))) as pool:
             futures = [pool.submit(ask, image, prompt) for image, prompt in zip(images, prompts, strict=True)]
         scores, failed, last = [], 0, ""

@@ -12,6 +12,8 @@ uploaded later with ``wandb sync RUN_DIR/wandb/offline-run-*``).
 from __future__ import annotations
 
 import importlib.util
+import netrc
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,10 @@ VIDEO_SUFFIXES = (".gif", ".mp4")
 INSTALL = {"tensorboard": "pip install 'mmrl[tensorboard]'", "wandb": "pip install 'mmrl[wandb]'"}
 
 
-def check_tracking(tracking: Any) -> None:
-    """A ConfigError naming `tracking`'s problem: not a list of known trackers, a tracker twice, or a
-    tracker whose package is not installed."""
+def check_tracking(tracking: Any, wandb: WandbConfig) -> None:
+    """A ConfigError naming `tracking`'s problem: not a list of known trackers, a tracker twice, a
+    tracker whose package is not installed, or W&B online without a login (where `wandb.init` would
+    stop the run at a login prompt)."""
     if not isinstance(tracking, list) or not all(isinstance(name, str) for name in tracking):
         raise ConfigError(f"config error: tracking = {tracking!r}: give a list, e.g. [tensorboard, wandb]")
     for name in tracking:
@@ -46,6 +49,29 @@ def check_tracking(tracking: Any) -> None:
             raise ConfigError(
                 f"config error: tracking: {name} is not installed: {INSTALL[name]} (or leave it out)"
             )
+    if "wandb" in tracking and wandb_online(wandb.mode) and not wandb_logged_in():
+        raise ConfigError(
+            "config error: tracking: wandb is online but not logged in: run `wandb login` or set "
+            "WANDB_API_KEY, or log offline with wandb.mode=offline (and later `wandb sync "
+            "RUN_DIR/wandb/offline-run-*`)"
+        )
+
+
+def wandb_online(mode: str) -> bool:
+    """Whether W&B would log online: `wandb.mode`, or with auto W&B's own WANDB_MODE."""
+    if mode != "auto":
+        return mode == "online"
+    return os.environ.get("WANDB_MODE", "online").lower() not in ("offline", "dryrun", "disabled")
+
+
+def wandb_logged_in() -> bool:
+    """Whether W&B has an API key: WANDB_API_KEY, or the entry `wandb login` writes in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
 
 
 class Tracker:

@@ -70,7 +70,7 @@ class Trainer(RunDirectory):
                 "config error: optimizer = 'adamw_8bit' needs bitsandbytes, which is not installed: "
                 "`pip install 'mmrl[adam8bit]'` (or bitsandbytes), or set optimizer=adamw"
             )
-        check_tracking(config.tracking)
+        check_tracking(config.tracking, config.wandb)
         # without CUDA, processes started by `accelerate launch --multi_gpu` / torchrun join over gloo
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         if accelerator is None and not torch.cuda.is_available() and fsdp_launch() and self.is_main:

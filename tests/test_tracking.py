@@ -127,6 +127,19 @@ def test_samples_written_to_the_run_go_to_wandb_once(tmp_path):
     assert images[0]["samples/step_000000/_type"] == "image-file"
 
 
+def test_wandb_online_without_a_login_is_refused_before_the_run_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config("core/tiny_grpo", [*TINY[:-1], f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"wandb is online but not logged in.*wandb.mode=offline"):
+        TinyGRPOTrainer(config)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B's own setting, which wandb.mode=auto follows
+    TinyGRPOTrainer(config)
+
+
 def test_the_old_tensorboard_key_names_its_replacement():
     with pytest.raises(ConfigError, match=r"unknown key 'tensorboard'.*it is now tracking=\[tensorboard\]"):
         load_config("core/tiny_grpo", ["tensorboard=true"])
