@@ -9,12 +9,12 @@ that cannot go on exits 1, says why in one line and in stopped.json, and keeps i
 import json
 import socket
 import socketserver
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from local_server import LocalServer
 from safetensors.torch import load_file
 from test_image_rewards import FakeRewardServer
 from test_replicas import HELDOUT_PROMPTS, TRAIN_PROMPTS
@@ -132,11 +132,11 @@ def test_a_reward_of_the_wrong_length_in_the_held_out_evaluation_stops_the_run(p
 # -- 3, 4: reward servers ------------------------------------------------------------------------
 
 
-class TricklingServer:
+class TricklingServer(LocalServer):
     """A local HTTP server that answers every request with a valid reward, one byte every 0.25 s."""
 
     def __init__(self) -> None:
-        self.stopping = threading.Event()
+        super().__init__()
         server = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -162,16 +162,9 @@ class TricklingServer:
                     except OSError:  # the client gave up
                         return
 
-        self.tcp = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self.tcp.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.tcp.server_address[1]}/reward"
-        self.thread = threading.Thread(target=self.tcp.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.tcp.shutdown()
-        self.tcp.server_close()
+        tcp = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        tcp.daemon_threads = True
+        self.serve(tcp, "/reward")
 
 
 def http_reward(url: str) -> list[str]:

@@ -2,7 +2,6 @@ import base64
 import io
 import json
 import string
-import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from local_server import LocalServer
 from PIL import Image
 from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
@@ -212,12 +212,12 @@ def test_missing_model_dir_names_the_path(name: str, tmp_path: Path) -> None:
 Responder = Callable[[int, dict], tuple[int, object]]
 
 
-class FakeRewardServer:
+class FakeRewardServer(LocalServer):
     """A local reward server whose answer to the n-th request (from 0) is `respond(n, payload)`."""
 
     def __init__(self, respond: Responder) -> None:
+        super().__init__()
         self.payloads: list[dict] = []
-        self.stopping = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -239,16 +239,7 @@ class FakeRewardServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/reward"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
+        self.serve(ThreadingHTTPServer(("127.0.0.1", 0), Handler), "/reward")
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+from local_server import LocalServer
 from PIL import Image
 
 from diffusion_rl.judge_reward import score_of
@@ -45,15 +46,16 @@ def completion(content: str, yes: float | None = None) -> dict:
     return {"id": "chatcmpl-1", "object": "chat.completion", "model": MODEL, "choices": [choice]}
 
 
-class FakeJudge:
+class FakeJudge(LocalServer):
     """A local chat-completions server; `reply` gives each request's answer (a dict sent as JSON, bytes
     sent as they are, or "hang" to answer nothing for 10 s)."""
 
     def __init__(self, reply: Reply, delay: float = 0.0) -> None:
+        super().__init__()
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.open, self.most_open = 0, 0
-        self.lock, self.stopping = threading.Lock(), threading.Event()
+        self.lock = threading.Lock()
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -90,16 +92,7 @@ class FakeJudge:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
+        self.serve(ThreadingHTTPServer(("127.0.0.1", 0), Handler), "/v1")
 
 
 @pytest.fixture
