@@ -94,8 +94,10 @@ class MetricsLog:
         if resume_step is not None:
             truncate_after(self.path, resume_step)
         self.trackers = list(trackers)
-        self.media_dirs = [run_dir / name for name in MEDIA_DIRS]
-        self.samples_seen = set(self.sample_files())  # a resumed run's earlier samples were logged
+        self.media_trackers = [tracker for tracker in self.trackers if tracker.takes_media]
+        # watched only for a tracker that takes them; a resumed run's earlier samples were logged
+        self.media_dirs = [run_dir / name for name in MEDIA_DIRS] if self.media_trackers else []
+        self.samples_seen = set(self.sample_files())
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{str(k): _plain_number(v) for k, v in metrics.items()}}
@@ -123,7 +125,7 @@ class MetricsLog:
         new = [path for path in self.sample_files() if path not in self.samples_seen]
         self.samples_seen.update(new)
         if new:
-            for tracker in self.trackers:
+            for tracker in self.media_trackers:
                 tracker.log_media(step, new)
 
     def close(self) -> None:

@@ -77,6 +77,8 @@ def wandb_logged_in() -> bool:
 class Tracker:
     """What a tracker is given; each method does nothing unless the tracker has a use for it."""
 
+    takes_media = False  # whether `log_media` does something (the run's media folders are then watched)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         pass
 
@@ -109,6 +111,8 @@ class TensorBoardTracker(Tracker):
 
 
 class WandbTracker(Tracker):
+    takes_media = True
+
     def __init__(self, run_dir: Path, settings: WandbConfig, config: dict[str, Any]) -> None:
         import wandb
 
